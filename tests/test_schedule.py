@@ -1,0 +1,401 @@
+"""Tests for the CSP pipeline scheduler (lightning_naspipe.schedule)."""
+
+from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_naspipe.schedule import (
+    BACKWARD,
+    FORWARD,
+    UPDATE,
+    Action,
+    DeadlockError,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    check_schedule,
+    replay,
+)
+
+Res = list[list[frozenset[Hashable]]]
+_RANK = {UPDATE: 0, BACKWARD: 1, FORWARD: 2}
+
+
+def F(i: int, c: int = 0) -> Action:
+    return Action(FORWARD, i, c)
+
+
+def B(i: int, c: int = 0) -> Action:
+    return Action(BACKWARD, i, c)
+
+
+def U(i: int) -> Action:
+    return Action(UPDATE, i, 0)
+
+
+def uniform(n: int, stages: int, keys: AbstractSet[Hashable] = frozenset()) -> Res:
+    return [[frozenset(keys) for _ in range(stages)] for _ in range(n)]
+
+
+def conflicts(res: Sequence[Sequence[AbstractSet[Hashable]]], s: int) -> list[tuple[int, int]]:
+    return [(k, i) for i in range(len(res)) for k in range(i) if set(res[k][s]) & set(res[i][s])]
+
+
+def reference(res: Res, chunks: int, cost: Callable[[int, Action], int] | None = None) -> dict[tuple[int, Action], int]:
+    """Literal tick-by-tick reading of the rules: rescan every pending action every tick."""
+    n, stages = len(res), len(res[0])
+    cost = cost or (lambda s, a: 1)
+    fin: dict[tuple[int, Action], int] = {}
+    start: dict[tuple[int, Action], int] = {}
+    todo = [
+        {F(i, c) for i in range(n) for c in range(chunks)} | {B(i, c) for i in range(n) for c in range(chunks)}
+        | {U(i) for i in range(n)}
+        for _ in range(stages)
+    ]
+    busy = [0] * stages
+
+    def done(s: int, a: Action, t: int) -> bool:
+        return (s, a) in fin and fin[(s, a)] <= t
+
+    def ready(s: int, a: Action, t: int) -> bool:
+        i, c = a.subnet, a.chunk
+        if a.kind == FORWARD:
+            return (
+                (s == 0 or done(s - 1, F(i, c), t))
+                and (c == 0 or done(s, F(i, c - 1), t))
+                and all(done(s, U(k), t) for k in range(i) if res[k][s] & res[i][s])
+            )
+        if a.kind == BACKWARD:
+            return (
+                done(s, F(i, c), t)
+                and (s == stages - 1 or done(s + 1, B(i, c), t))
+                and (c == 0 or done(s, B(i, c - 1), t))
+            )
+        return all(done(s, B(i, k), t) for k in range(chunks)) and (i == 0 or done(s, U(i - 1), t))
+
+    t = 0
+    while any(todo):
+        for s in range(stages):
+            if busy[s] > t:
+                continue
+            cands = [a for a in todo[s] if ready(s, a, t)]
+            if cands:
+                a = min(cands, key=lambda x: (_RANK[x.kind], x.subnet, x.chunk))
+                todo[s].remove(a)
+                start[(s, a)] = t
+                fin[(s, a)] = busy[s] = t + cost(s, a)
+        t += 1
+        assert t < 100_000
+    return start
+
+
+# ----------------------------------------------------------------------------- unit tests
+
+
+def test_single_stage_single_chunk_is_strictly_sequential() -> None:
+    sched = build_schedule(uniform(4, 1, {"w"}), 1)
+    assert [str(a) for a in sched.stages[0]] == ["F0.0", "B0.0", "U0", "F1.0", "B1.0", "U1", "F2.0", "B2.0", "U2",
+                                                 "F3.0", "B3.0", "U3"]
+    # Even with no conflicts, a single stage with one chunk cannot reorder anything.
+    assert build_schedule(uniform(4, 1), 1).stages == sched.stages
+    assert sched.makespan == 12
+
+
+def test_action_str_and_validation() -> None:
+    assert (str(F(3, 1)), str(B(3, 1)), str(U(3))) == ("F3.1", "B3.1", "U3")
+    assert F(0) < U(0) and B(5) < F(0)  # order=True: sortable
+    with pytest.raises(ValueError):
+        Action("X", 0, 0)
+    with pytest.raises(ValueError):
+        Action(UPDATE, 0, 1)
+
+
+def test_disjoint_resources_overlap_subnets() -> None:
+    n = 6
+    sched = build_schedule(uniform(n, 2), 1)
+    sequential = build_schedule(uniform(n, 2, {"shared"}), 1)
+    check_schedule(sched, uniform(n, 2), 1)
+    assert sched.makespan < sequential.makespan
+    # Subnet 1 starts its forward on stage 0 before subnet 0 updates there.
+    assert sched.start[(0, F(1))] < sched.finish[(0, U(0))]
+
+
+def test_shared_resource_serializes_that_stage_only() -> None:
+    res: Res = [[frozenset({"fixed"}), frozenset({("op", i)})] for i in range(5)]
+    sched = build_schedule(res, 2)
+    check_schedule(sched, res, 2)
+    order0 = sched.stages[0]
+    for k in range(4):
+        assert order0.index(U(k)) < order0.index(F(k + 1, 0))
+        assert sched.finish[(0, U(k))] <= sched.start[(0, F(k + 1, 0))]
+    # Micro-batches still pipeline: stage 1 forwards chunk 0 while stage 0 forwards chunk 1.
+    for k in range(5):
+        assert sched.start[(1, F(k, 0))] == sched.start[(0, F(k, 1))]
+    # Without the shared block, stage 0 lets later subnets overtake earlier updates.
+    free = build_schedule([[frozenset(), r[1]] for r in res], 2)
+    assert any(free.stages[0].index(F(k + 1, 0)) < free.stages[0].index(U(k)) for k in range(4))
+    assert free.makespan < sched.makespan
+
+
+def test_chunks_pipeline_across_stages() -> None:
+    sched = build_schedule(uniform(1, 2, {"w"}), 2)
+    check_schedule(sched, uniform(1, 2, {"w"}), 2)
+    # Stage 1 works on chunk 0 while stage 0 forwards chunk 1.
+    assert sched.start[(1, F(0, 0))] == sched.start[(0, F(0, 1))] == 1
+    assert sched.makespan < 2 * (2 * 2 + 1)  # better than running the stages back to back
+    for s in range(2):
+        bs = [a for a in sched.stages[s] if a.kind == BACKWARD]
+        assert bs == [B(0, 0), B(0, 1)]
+
+
+def test_sends_follow_stage_order() -> None:
+    res: Res = [[frozenset({"a"}), frozenset()], [frozenset({"b"}), frozenset()], [frozenset({"a"}), frozenset()]]
+    sched = build_schedule(res, 2)
+    for s in range(2):
+        fwd = tuple((a.subnet, a.chunk) for a in sched.stages[s] if a.kind == FORWARD)
+        bwd = tuple((a.subnet, a.chunk) for a in sched.stages[s] if a.kind == BACKWARD)
+        assert sched.sends(s, "forward") == (fwd if s == 0 else ())
+        assert sched.sends(s, "backward") == (bwd if s == 1 else ())
+    assert len(sched.sends(0, "forward")) == 6
+    with pytest.raises(ValueError):
+        sched.sends(2, "forward")
+    with pytest.raises(ValueError):
+        sched.sends(0, "sideways")
+
+
+def test_table_renders_every_action() -> None:
+    res: Res = [[frozenset({"a"}), frozenset({"c"})], [frozenset({"b"}), frozenset({"c"})]]
+    sched = build_schedule(res, 2, cost=lambda s, a: 2 if a.kind == BACKWARD else 1)
+    text = sched.table()
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("tick") and lines[1].startswith("s0") and lines[2].startswith("s1")
+    for s, order in enumerate(sched.stages):
+        for a in order:
+            assert str(a) in lines[s + 1]
+    assert "-" in lines[1]  # 2-tick backward continuation
+
+
+def test_module_docstring_table_is_current() -> None:
+    import lightning_naspipe.schedule as mod
+
+    res: Res = [[frozenset({"a"}), frozenset({"c"})], [frozenset({"b"}), frozenset({"d"})],
+                [frozenset({"a"}), frozenset({"e"})]]
+    lines = [ln.strip() for ln in (mod.__doc__ or "").splitlines()]
+    documented = [ln for ln in lines if ln.startswith(("tick |", "s0 ", "s1 "))]
+    assert documented == [ln.strip() for ln in build_schedule(res, 2).table().splitlines()]
+
+
+def test_costs_and_latency() -> None:
+    res = uniform(3, 3)
+    def cost(s: int, a: Action) -> int:
+        return {FORWARD: 1, BACKWARD: 2, UPDATE: 1}[a.kind]
+    sched = build_schedule(res, 2, cost)
+    check_schedule(sched, res, 2)
+    replay(sched, 3)
+    assert all(sched.finish[(s, a)] - sched.start[(s, a)] == cost(s, a) for s, o in enumerate(sched.stages) for a in o)
+    slow = build_schedule(res, 2, cost, latency=3)
+    check_schedule(slow, res, 2)
+    assert slow.start[(1, F(0, 0))] >= slow.finish[(0, F(0, 0))] + 3
+    assert slow.makespan > sched.makespan
+    with pytest.raises(ValueError, match="cost"):
+        build_schedule(res, 1, lambda s, a: 0)
+    with pytest.raises(ValueError, match="latency"):
+        build_schedule(res, 1, latency=-1)
+
+
+def test_input_validation() -> None:
+    with pytest.raises(ValueError, match="num_chunks"):
+        build_schedule(uniform(2, 2), 0)
+    with pytest.raises(ValueError, match="ragged"):
+        build_schedule([[frozenset()], [frozenset(), frozenset()]], 1)
+    with pytest.raises(ValueError, match="zero stages"):
+        build_schedule([[], []], 1)
+    with pytest.raises(ValueError, match="at least one subnet"):
+        build_schedule([], 1)
+    with pytest.raises(TypeError):
+        build_schedule([["ab"]], 1)  # type: ignore[list-item]
+    sched = build_schedule(uniform(2, 2), 1)
+    with pytest.raises(ValueError, match="num_chunks"):
+        check_schedule(sched, uniform(2, 2), 0)
+    with pytest.raises(ValueError, match="num_stages"):
+        replay(sched, 3)
+
+
+def test_large_window_is_valid() -> None:
+    # Timing of this size belongs in benchmarks/, not in an assertion here.
+    import random
+
+    rng = random.Random(0)
+    res: Res = [[frozenset(rng.sample(range(6), rng.randint(0, 2))) for _ in range(8)] for _ in range(64)]
+    sched = build_schedule(res, 4)
+    check_schedule(sched, res, 4)
+    replay(sched, 8)
+
+
+# ----------------------------------------------------------------------------- the checkers can fail
+
+
+def _with_order(sched: Schedule, stage: int, order: list[Action]) -> Schedule:
+    stages = list(sched.stages)
+    stages[stage] = tuple(order)
+    return replace(sched, stages=tuple(stages))
+
+
+def _base() -> tuple[Schedule, Res]:
+    res: Res = [[frozenset({"a"}), frozenset({"x"})], [frozenset({"b"}), frozenset({"y"})],
+                [frozenset({"a"}), frozenset({"z"})]]
+    sched = build_schedule(res, 2)
+    check_schedule(sched, res, 2)
+    return sched, res
+
+
+def test_check_catches_csp_violation_in_order() -> None:
+    sched, res = _base()
+    order = [a for a in sched.stages[0] if a.subnet != 2 or a.kind != FORWARD]
+    at = order.index(U(0))
+    order[at:at] = [F(2, 0), F(2, 1)]  # subnet 2 forwards before conflicting subnet 0 updates
+    with pytest.raises(ScheduleError, match="CSP"):
+        check_schedule(_with_order(sched, 0, order), res, 2)
+
+
+def test_check_catches_csp_violation_in_ticks() -> None:
+    sched, res = _base()
+    start = dict(sched.start)
+    finish = dict(sched.finish)
+    # Stretch U0 on stage 0 to end after F2.0 begins; keep the order untouched.
+    finish[(0, U(0))] = start[(0, F(2, 0))] + 1
+    bad = replace(sched, start=MappingProxyType(start), finish=MappingProxyType(finish))
+    with pytest.raises(AssertionError, match="CSP|one-action-per-tick"):
+        check_schedule(bad, res, 2)
+
+
+def test_check_catches_swapped_conflicting_forwards() -> None:
+    res: Res = [[frozenset({"a"})], [frozenset({"a"})]]
+    sched = build_schedule(res, 1)
+    order = list(sched.stages[0])
+    i, j = order.index(F(0)), order.index(F(1))
+    order[i], order[j] = order[j], order[i]
+    with pytest.raises(ScheduleError):
+        check_schedule(_with_order(sched, 0, order), res, 1)
+
+
+def test_check_catches_chunk_reorder_and_drop_and_duplicate() -> None:
+    sched, res = _base()
+    order = list(sched.stages[0])
+    i, j = order.index(B(1, 0)), order.index(B(1, 1))
+    assert order.index(F(1, 1)) < i  # so the swap breaks only the chunk order
+    order[i], order[j] = order[j], order[i]
+    with pytest.raises(ScheduleError, match="chunk order"):
+        check_schedule(_with_order(sched, 0, order), res, 2)
+    dropped = [a for a in sched.stages[0] if a != B(0, 1)]
+    with pytest.raises(ScheduleError, match="exactly-once"):
+        check_schedule(_with_order(sched, 0, dropped), res, 2)
+    with pytest.raises(ScheduleError, match="exactly-once"):
+        check_schedule(_with_order(sched, 0, [*sched.stages[0], U(2)]), res, 2)
+    swapped_updates = [U(1) if a == U(0) else U(0) if a == U(1) else a for a in sched.stages[0]]
+    with pytest.raises(ScheduleError, match="update order|backward-before-update"):
+        check_schedule(_with_order(sched, 0, swapped_updates), res, 2)
+
+
+def test_check_catches_cross_stage_timing() -> None:
+    sched, res = _base()
+    start = dict(sched.start)
+    start[(1, F(0, 0))] = 0  # before stage 0 has produced the activation
+    with pytest.raises(ScheduleError, match="forward dependency"):
+        check_schedule(replace(sched, start=MappingProxyType(start)), res, 2)
+
+
+def test_replay_detects_deadlock_and_unmatched_messages() -> None:
+    res = uniform(1, 2, {"w"})
+    sched = build_schedule(res, 2)
+    # Stage 0 waits for gradient B0.0 before sending F0.1; stage 1 waits for F0.1 before sending B0.0.
+    stage0 = [F(0, 0), B(0, 0), F(0, 1), B(0, 1), U(0)]
+    stage1 = [F(0, 0), F(0, 1), B(0, 0), B(0, 1), U(0)]
+    with pytest.raises(DeadlockError, match="stage 0 at B0.0"):
+        replay(_with_order(_with_order(sched, 0, stage0), 1, stage1), 2)
+    # Out-of-order arrivals are buffered, not a deadlock.
+    replay(_with_order(sched, 1, [F(0, 1), F(0, 0), B(0, 0), B(0, 1), U(0)]), 2)
+    # A forward on stage 0 whose activation stage 1 never consumes.
+    with pytest.raises(ScheduleError, match="never received"):
+        replay(_with_order(sched, 1, [F(0, 0), B(0, 0), B(0, 1), U(0)]), 2)
+
+
+# ----------------------------------------------------------------------------- property tests
+
+
+@st.composite
+def windows(draw: st.DrawFn, max_n: int = 24, max_stages: int = 6, max_chunks: int = 3) -> tuple[Res, int]:
+    stages = draw(st.integers(1, max_stages))
+    n = draw(st.integers(1, max_n))
+    chunks = draw(st.integers(1, max_chunks))
+    res: Res = [[frozenset() for _ in range(stages)] for _ in range(n)]
+    for s in range(stages):
+        mode = draw(st.sampled_from(["pool", "pool", "shared", "empty"]))
+        pool = draw(st.integers(1, 4))
+        for i in range(n):
+            keys: set[Hashable] = set(draw(st.frozensets(st.integers(0, pool - 1), max_size=2)))
+            if mode == "empty":
+                keys.clear()
+            if mode == "shared":
+                keys.add("X")  # a trainable fixed block every subnet uses on this stage
+            res[i][s] = frozenset((s, k) for k in keys)
+    return res, chunks
+
+
+def _costs(seed: int) -> Callable[[int, Action], int]:
+    def cost(s: int, a: Action) -> int:
+        return 1 + (seed * 7 + s * 13 + a.subnet * 5 + a.chunk * 3 + _RANK[a.kind]) % 3
+    return cost
+
+
+def _assert_valid(sched: Schedule, res: Res, chunks: int) -> None:
+    n, stages = len(res), len(res[0])
+    check_schedule(sched, res, chunks)
+    replay(sched, stages)
+    for s, order in enumerate(sched.stages):
+        assert sorted(order) == sorted([F(i, c) for i in range(n) for c in range(chunks)]
+                                       + [B(i, c) for i in range(n) for c in range(chunks)] + [U(i) for i in range(n)])
+        for k, i in conflicts(res, s):
+            assert order.index(U(k)) < order.index(F(i, 0))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(windows(), st.booleans(), st.integers(0, 2))
+def test_property_schedules_are_valid(window: tuple[Res, int], weighted: bool, latency: int) -> None:
+    res, chunks = window
+    sched = build_schedule(res, chunks, _costs(len(res)) if weighted else None, latency=latency)
+    _assert_valid(sched, res, chunks)
+    assert build_schedule(res, chunks, _costs(len(res)) if weighted else None, latency=latency) == sched
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(windows())
+def test_property_never_forwards_past_unfinished_conflict(window: tuple[Res, int]) -> None:
+    """Brute force from ticks: at every F(i, c) start, each earlier conflicting U(k) has finished."""
+    res, chunks = window
+    sched = build_schedule(res, chunks)
+    for s in range(len(res[0])):
+        for i in range(len(res)):
+            for c in range(chunks):
+                t = sched.start[(s, F(i, c))]
+                for k in range(i):
+                    if res[k][s] & res[i][s]:
+                        assert sched.finish[(s, U(k))] <= t, (s, k, i, c)
+    # More stages or chunks never lose pipelining against one stage, one chunk: sanity on makespan bounds.
+    n, stages = len(res), len(res[0])
+    assert sched.makespan <= stages * n * (2 * chunks + 1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(windows(max_n=7, max_stages=4), st.booleans())
+def test_property_matches_literal_reference(window: tuple[Res, int], weighted: bool) -> None:
+    """The event-driven simulator equals a tick-by-tick rescan of the written rules."""
+    res, chunks = window
+    cost = _costs(len(res[0])) if weighted else None
+    sched = build_schedule(res, chunks, cost)
+    assert dict(sched.start) == reference(res, chunks, cost)
