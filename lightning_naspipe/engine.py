@@ -1,0 +1,87 @@
+"""The training engine: a window of batches in, per-subnet updates and losses out.
+
+Flow for one window (one Lightning batch)::
+
+    batches ──► sampler (subnet i = f(seed, i)) ──► resources per stage ──► CSP schedule
+            ──► this stage's actions ──► StageExecutor (forward / backward / update)
+
+With one stage this *is* the sequential reference (the schedule degenerates to
+``F0 B0 U0 F1 B1 U1 ...``); with N stages every process builds the same schedule and runs
+its own row of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_naspipe.executor import StageExecutor, Transport, Window
+from lightning_naspipe.microbatch import split_batch
+from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
+from lightning_naspipe.schedule import build_schedule
+
+if TYPE_CHECKING:
+    from lightning_naspipe.mixin import NASPipeMixin
+
+
+class Engine:
+    """Trains windows of subnets on one stage of the pipeline.
+
+    Args:
+        stage_blocks: the block indices of every stage, in stage order (contiguous ranges).
+        stage: which of them this process runs.
+        chunks: micro-batches per subnet.
+        transport: moves tensors between stages; ``None`` with one stage.
+    """
+
+    def __init__(
+        self,
+        stage_blocks: Sequence[range],
+        stage: int = 0,
+        chunks: int = 1,
+        transport: Transport | None = None,
+    ) -> None:
+        self.stage_blocks = list(stage_blocks)
+        self.stage = stage
+        self.chunks = chunks
+        self.transport = transport
+
+    @property
+    def blocks(self) -> range:
+        """The blocks this stage runs."""
+        return self.stage_blocks[self.stage]
+
+    def train_window(self, module: NASPipeMixin, batches: Sequence[Any], first_index: int) -> Window:
+        """Train subnets ``first_index, first_index + 1, ...`` on ``batches``, one batch each.
+
+        Returns:
+            The window: its architectures and, on the last stage, each subnet's loss.
+        """
+        supernet = module.supernet
+        architectures = [supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
+        resources = [[supernet.resources(blocks, arch) for blocks in self.stage_blocks] for arch in architectures]
+        schedule = build_schedule(resources, self.chunks)
+        window = Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
+        executor = StageExecutor(
+            module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport
+        )
+
+        def update(k: int) -> None:
+            self.update(module, window.first_index + k, architectures[k])
+
+        executor.run(schedule.stages[self.stage], window, update)
+        return window
+
+    def update(self, module: NASPipeMixin, index: int, architecture: dict[str, int]) -> None:
+        """Step the optimizer on subnet ``index``'s parameters of this stage, then per-step schedulers."""
+        supernet = module.supernet
+        resources = supernet.resources(self.blocks, architecture)
+        params = module_parameters(supernet.resource_module(r) for r in sorted(resources))
+        optimizer = module.optimizers()
+        assert not isinstance(optimizer, list)
+        with restrict_param_groups(optimizer.optimizer, params):
+            optimizer.step()
+        for p in params:
+            p.grad = None
+        trainer = module.trainer
+        step_schedulers(trainer.lr_scheduler_configs, "step", index + 1, trainer.callback_metrics)

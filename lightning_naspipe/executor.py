@@ -1,0 +1,175 @@
+"""One stage's worker: runs its forward, backward and update actions in schedule order.
+
+The same executor runs the single-stage (sequential) path and every stage of the pipeline;
+only the :class:`Transport` between stages differs, so the two paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_naspipe.sampling import keyed_rng
+from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action
+from lightning_naspipe.supernet import Architecture, Supernet
+
+
+class Transport(Protocol):
+    """Moves activations to the next stage and gradients to the previous one."""
+
+    def send_activation(self, subnet: int, chunk: int, value: Any) -> None: ...
+
+    def recv_activation(self, subnet: int, chunk: int) -> Any: ...
+
+    def send_gradient(self, subnet: int, chunk: int, value: Any) -> None: ...
+
+    def recv_gradient(self, subnet: int, chunk: int) -> Any: ...
+
+
+class StageModule(Protocol):
+    """What the executor needs from the user's module (the mixin provides it)."""
+
+    supernet: Supernet
+
+    def pipeline_input(self, batch: Any) -> Any: ...
+
+    def compute_loss(self, output: Any, batch: Any) -> Tensor: ...
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None: ...
+
+
+@dataclass
+class Window:
+    """The subnets of one Lightning batch and their micro-batches.
+
+    Attributes:
+        first_index: global index (training step) of the window's first subnet.
+        architectures: one architecture per subnet.
+        pieces: per subnet, its ``(micro-batch, weight)`` pairs.
+        losses: per subnet, its loss (the weighted sum of its micro-batch losses); filled on
+            the last stage only.
+    """
+
+    first_index: int
+    architectures: list[Architecture]
+    pieces: list[list[tuple[Any, float]]]
+    losses: list[Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.losses = [None] * len(self.architectures)
+
+
+class StageExecutor:
+    """Executes one stage's share of a window.
+
+    Args:
+        module: the user's LightningModule (with the mixin).
+        stage: this stage's position, 0-based.
+        num_stages: the number of pipeline stages.
+        blocks: the global indices of the supernet blocks this stage runs.
+        seed: the run's seed, keying each block's randomness.
+        transport: how tensors reach neighbouring stages; unused with one stage.
+    """
+
+    def __init__(
+        self,
+        module: StageModule,
+        stage: int,
+        num_stages: int,
+        blocks: range,
+        seed: int,
+        transport: Transport | None = None,
+    ) -> None:
+        if num_stages > 1 and transport is None:
+            raise ValueError("a multi-stage executor needs a transport")
+        self.module = module
+        self.stage = stage
+        self.blocks = blocks
+        self.seed = seed
+        self.transport = transport
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        # (subnet, chunk) -> (stage inputs, stage outputs or the weighted loss), kept for backward.
+        self._stash: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+    def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None]) -> None:
+        """Run ``actions`` in order; ``update(k)`` steps the optimizer for window subnet ``k``."""
+        for action in actions:
+            if action.kind == FORWARD:
+                self._forward(window, action.subnet, action.chunk)
+            elif action.kind == BACKWARD:
+                self._backward(window, action.subnet, action.chunk)
+            elif action.kind == UPDATE:
+                update(action.subnet)
+            else:  # pragma: no cover - the scheduler only emits the three kinds
+                raise ValueError(f"unknown action {action}")
+
+    def _forward(self, window: Window, k: int, c: int) -> None:
+        piece, weight = window.pieces[k][c]
+        if self.is_first:
+            inputs = self.module.pipeline_input(piece)
+        else:
+            assert self.transport is not None
+            inputs = self.transport.recv_activation(k, c)
+        x = inputs
+        index = window.first_index + k
+        device = _device_of(x)
+        architecture = window.architectures[k]
+        for block in self.blocks:
+            with keyed_rng(device, self.seed, index, block, c):
+                x = self.module.supernet.block_op(block, architecture)(x)
+        if self.is_last:
+            loss = self.module.compute_loss(x, piece)
+            if not isinstance(loss, Tensor) or loss.dim() != 0:
+                raise TypeError(f"compute_loss must return a scalar tensor, got {_describe(loss)}.")
+            if len(window.pieces[k]) > 1:
+                loss = loss * weight
+            total = window.losses[k]
+            window.losses[k] = loss.detach() if total is None else total + loss.detach()
+            self._stash[(k, c)] = (inputs, loss)
+        else:
+            assert self.transport is not None
+            self.transport.send_activation(k, c, x)
+            self._stash[(k, c)] = (inputs, x)
+
+    def _backward(self, window: Window, k: int, c: int) -> None:
+        inputs, outputs = self._stash.pop((k, c))
+        if self.is_last:
+            self.module.manual_backward(outputs)
+        else:
+            assert self.transport is not None
+            grads = self.transport.recv_gradient(k, c)
+            pairs = [(o, g) for o, g in zip(_tensors(outputs), _tensors(grads)) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            assert self.transport is not None
+            self.transport.send_gradient(k, c, _input_grads(inputs))
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    return [v for v in value if isinstance(v, Tensor)]
+
+
+def _input_grads(inputs: Any) -> Any:
+    """The gradient for each tensor the previous stage sent (zeros where none flowed)."""
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _tensors(inputs)]
+    return grads[0] if isinstance(inputs, Tensor) else tuple(grads)
+
+
+def _device_of(value: Any) -> torch.device:
+    for tensor in _tensors(value) if isinstance(value, (Tensor, list, tuple)) else []:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,146 @@
+"""The engine against a hand-written sequential loop in plain torch (no Lightning)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_naspipe as lnp
+from lightning_naspipe.engine import Engine
+from lightning_naspipe.sampling import keyed_rng, uniform_architecture
+
+SEED = 11
+
+
+def make_supernet() -> lnp.Supernet:
+    torch.manual_seed(0)
+    return lnp.Supernet(
+        nn.Linear(5, 7),
+        lnp.ChoiceBlock([nn.Sequential(nn.Linear(7, 7), nn.Dropout(0.5)), nn.Identity(), nn.BatchNorm1d(7)]),
+        lnp.ChoiceBlock([nn.Linear(7, 7), nn.Tanh()], label="pair"),
+        lnp.ChoiceBlock([nn.Sequential(nn.Dropout(0.3), nn.Linear(7, 7)), nn.ReLU()], label="pair"),
+        nn.Linear(7, 2),
+    )
+
+
+class FakeModule:
+    """The parts of a NASPipe LightningModule the engine uses, without Lightning."""
+
+    naspipe_seed = SEED
+
+    def __init__(self, supernet: lnp.Supernet) -> None:
+        self.supernet = supernet
+        self.optimizer = torch.optim.Adam(supernet.parameters(), lr=0.1)
+        self.trainer = SimpleNamespace(lr_scheduler_configs=[], callback_metrics={})
+
+    def sample_subnet(self, index: int) -> dict[str, int]:
+        return uniform_architecture(self.supernet.labels, self.naspipe_seed, index)
+
+    def pipeline_input(self, batch: Any) -> Any:
+        return batch[0]
+
+    def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, batch[1])
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizers(self) -> Any:
+        return SimpleNamespace(optimizer=self.optimizer, step=self.optimizer.step)
+
+
+def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(6, 5, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(count)]
+
+
+def reference_training(supernet: lnp.Supernet, data: list, chunks: int) -> tuple[lnp.Supernet, dict, list]:
+    """Subnet i on batch i, one after the other; a plain optimizer step (others have no grads)."""
+    optimizer = torch.optim.Adam(supernet.parameters(), lr=0.1)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        architecture = uniform_architecture(supernet.labels, SEED, i)
+        total = torch.zeros(())
+        for c, (xc, yc) in enumerate(zip(x.tensor_split(chunks), y.tensor_split(chunks))):
+            h = xc
+            for b in range(len(supernet)):
+                with keyed_rng(torch.device("cpu"), SEED, i, b, c):
+                    h = supernet.block_op(b, architecture)(h)
+            loss = nn.functional.cross_entropy(h, yc)
+            if chunks > 1:
+                loss = loss * (len(xc) / len(x))
+            loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return supernet, optimizer.state_dict(), losses
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_engine_matches_hand_written_sequential_loop(window: int, chunks: int) -> None:
+    data = batches(8)
+    ref_net, ref_optim, ref_losses = reference_training(make_supernet(), data, chunks)
+
+    module = FakeModule(make_supernet())
+    engine = Engine([range(len(module.supernet))], chunks=chunks)
+    losses: list[torch.Tensor] = []
+    for start in range(0, len(data), window):
+        losses += engine.train_window(module, data[start:start + window], start).losses  # type: ignore[arg-type]
+
+    for (name, a), b in zip(ref_net.state_dict().items(), module.supernet.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    state = module.optimizer.state_dict()["state"]
+    assert state.keys() == ref_optim["state"].keys()
+    for key in state:
+        for field in state[key]:
+            assert torch.equal(state[key][field], ref_optim["state"][key][field]), (key, field)
+
+
+def test_untouched_candidates_keep_no_optimizer_state() -> None:
+    module = FakeModule(make_supernet())
+    Engine([range(len(module.supernet))]).train_window(module, batches(1), 0)
+    architecture = module.sample_subnet(0)
+    used = {id(p) for b in range(len(module.supernet)) for p in module.supernet.block_op(b, architecture).parameters()}
+    for p in module.supernet.parameters():
+        assert (p in module.optimizer.state) == (id(p) in used)
+        assert p.grad is None  # cleared after the subnet's update
+
+
+def test_dropout_is_keyed_not_drawn_from_the_global_rng() -> None:
+    module = FakeModule(make_supernet())
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    Engine([range(len(module.supernet))]).train_window(module, batches(4), 0)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_bad_sampler_output_is_reported() -> None:
+    module = FakeModule(make_supernet())
+    module.sample_subnet = lambda index: {"block1": 9, "pair": 0}  # type: ignore[method-assign]
+    with pytest.raises(lnp.NASPipeConfigError, match="block1"):
+        Engine([range(len(module.supernet))]).train_window(module, batches(1), 0)
+
+
+def test_scalar_loss_is_required() -> None:
+    module = FakeModule(make_supernet())
+    module.compute_loss = lambda output, batch: output  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match="scalar"):
+        Engine([range(len(module.supernet))]).train_window(module, batches(1), 0)
+
+
+def test_copy_of_module_trains_identically() -> None:
+    # Determinism across fresh processes is the same property as across copies here.
+    net = make_supernet()
+    a, b = FakeModule(copy.deepcopy(net)), FakeModule(copy.deepcopy(net))
+    for module in (a, b):
+        Engine([range(len(net))], chunks=2).train_window(module, batches(5), 100)
+    for x, y in zip(a.supernet.parameters(), b.supernet.parameters()):
+        assert torch.equal(x, y)
