@@ -1,0 +1,158 @@
+"""Windows of batches, and exact mid-epoch resume of the data order.
+
+One Lightning batch is a *window*: a list of ``window`` consecutive batches of the user's
+dataloader, one per subnet. The batch sequence is the user's own, so it is the one a plain
+one-device run sees.
+
+Exact resume: a shuffling ``DataLoader`` draws its permutation from torch's global RNG when it
+starts an epoch, and Lightning cannot replay that on resume. :class:`DataTracker` records the
+CPU RNG state at the start of each epoch and, in the checkpoint, how many batches of the epoch
+were trained. On resume it restores that RNG state, re-creates the same permutation, skips the
+trained batches, and then restores the RNG to its state at checkpoint time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_naspipe.errors import NASPipeConfigError
+
+
+class DataTracker:
+    """Tracks where training stands in the current epoch's batch sequence.
+
+    Args:
+        trainer: returns the running ``pl.Trainer``.
+    """
+
+    def __init__(self, trainer: Callable[[], Any]) -> None:
+        self._trainer = trainer
+        self._epoch = 0
+        self._epoch_rng: torch.Tensor | None = None
+        self._epoch_start_step = 0
+        self._yielded = 0  # batches handed to Lightning this epoch (skipped ones included)
+        self._windows = 0
+        self._exhausted = False
+        self._resume: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this epoch exactly."""
+        trainer = self._trainer()
+        position = trainer.global_step - self._epoch_start_step
+        done = self._exhausted or self._windows >= trainer.num_training_batches
+        return {
+            "epoch": self._epoch,
+            "epoch_rng": self._epoch_rng,
+            "rng": torch.get_rng_state(),
+            "position": position,
+            "finished": done and position >= self._yielded,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Arrange for the next epoch start to continue from ``state``."""
+        self._resume = dict(state)
+
+    def start_epoch(self) -> int:
+        """Called as an epoch's iterator starts; returns how many batches to skip."""
+        trainer = self._trainer()
+        resume, self._resume = self._resume, None
+        self._yielded, self._windows, self._exhausted = 0, 0, False
+        self._epoch = trainer.current_epoch
+        self._after_skip = None
+        if resume is not None and not resume["finished"] and resume["epoch_rng"] is not None:
+            torch.set_rng_state(resume["epoch_rng"])
+            self._epoch_rng = resume["epoch_rng"]
+            self._epoch_start_step = trainer.global_step - resume["position"]
+            self._after_skip = resume["rng"]
+            return int(resume["position"])
+        if resume is not None:
+            torch.set_rng_state(resume["rng"])
+        self._epoch_rng = torch.get_rng_state()
+        self._epoch_start_step = trainer.global_step
+        return 0
+
+    def skipped(self, count: int) -> None:
+        """The first ``count`` batches were skipped; put the RNG where the checkpoint left it."""
+        self._yielded = count
+        if self._after_skip is not None:
+            torch.set_rng_state(self._after_skip)
+            self._after_skip = None
+
+    def yielded(self, count: int, exhausted: bool) -> None:
+        self._yielded += count
+        self._windows += 1 if count else 0
+        self._exhausted = exhausted
+
+
+def reopen_epoch(checkpoint: dict[str, Any], epoch: int) -> None:
+    """Make a checkpoint's loop state say "epoch ``epoch`` is in progress".
+
+    Lightning marks an epoch complete when ``max_steps`` stops training inside it, and a run
+    resumed from such a checkpoint would start the next epoch, skipping the rest of this one.
+    Rewritten to the state a checkpoint saved at ``on_train_batch_end`` has, the resumed run
+    finishes the epoch exactly as an uninterrupted run would.
+    """
+    fit_loop = checkpoint["loops"]["fit_loop"]
+    for scope in ("total", "current"):
+        counts = fit_loop["epoch_progress"][scope]
+        if scope == "current":
+            counts.update(ready=epoch + 1, started=epoch + 1, processed=epoch, completed=epoch)
+        else:
+            extra = counts["completed"] - epoch
+            counts.update(ready=counts["ready"] - extra + 1, started=counts["started"] - extra + 1,
+                          processed=counts["processed"] - extra, completed=counts["completed"] - extra)
+        batches = fit_loop["epoch_loop.batch_progress"][scope]
+        batches["completed"] = batches["processed"] - 1
+    fit_loop["epoch_loop.batch_progress"]["is_last_batch"] = False
+    fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    checkpoint["epoch"] = epoch
+
+
+class WindowLoader:
+    """Wraps a training dataloader so that each item is a list of ``window`` batches.
+
+    Args:
+        dataloader: the user's (already Lightning-processed) training dataloader.
+        window: subnets per Lightning batch.
+        tracker: records the epoch position for exact resume.
+    """
+
+    def __init__(self, dataloader: Iterable[Any], window: int, tracker: DataTracker) -> None:
+        self.dataloader = dataloader
+        self.window = window
+        self.tracker = tracker
+
+    # No ``__len__`` on purpose: Lightning then ends an epoch when the data runs out rather than
+    # after a count of windows, which a resumed run (partial first window, another window size)
+    # would get wrong. The cost: the progress bar shows no total.
+
+    def __getattr__(self, name: str) -> Any:
+        # Lightning and users read attributes such as ``sampler`` or ``batch_size``.
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        skip = self.tracker.start_epoch()
+        iterator = iter(self.dataloader)
+        skipped = sum(1 for _ in itertools.islice(iterator, skip))
+        if skipped < skip:
+            raise NASPipeConfigError(
+                f"Resuming expects at least {skip} training batches in this epoch but the dataloader yields only "
+                f"{skipped}; resume with the same data, batch size and dataset as the checkpointed run."
+            )
+        self.tracker.skipped(skip)
+        while True:
+            batches = list(itertools.islice(iterator, self.window))
+            exhausted = len(batches) < self.window
+            if exhausted and not batches:
+                self.tracker.yielded(0, True)
+                return
+            self.tracker.yielded(len(batches), exhausted)
+            yield batches
+            if exhausted:
+                return

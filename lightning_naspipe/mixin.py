@@ -1,0 +1,141 @@
+"""The mixin users add to their LightningModule: ``class Net(lnp.NASPipeMixin, pl.LightningModule)``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytorch_lightning as pl
+from torch import Tensor
+
+from lightning_naspipe.engine import Engine
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.executor import Window
+from lightning_naspipe.sampling import uniform_architecture
+from lightning_naspipe.supernet import Architecture, Supernet
+
+
+class NASPipeMixin:
+    """Supernet training with one sampled subnet per step, exactly reproducible.
+
+    Set ``self.supernet = lnp.Supernet(...)`` in ``__init__`` and implement :meth:`compute_loss`.
+    Under a plain ``pl.Trainer()`` every batch trains one subnet (the sequential reference);
+    under ``Trainer(strategy="naspipe")`` every Lightning batch is a window of subnets run by
+    the pipeline engine. Both paths run the same engine and give bitwise identical results.
+
+    Optimization is manual (one optimizer step per subnet, touching only that subnet's
+    parameters), so ``global_step`` counts subnets. ``configure_optimizers`` is the usual one;
+    LR schedulers with ``interval="step"`` step once per subnet, ``"epoch"`` once per epoch.
+
+    Attributes:
+        naspipe_seed: keys subnet sampling and in-block randomness. Defaults to the seed given
+            to ``pl.seed_everything`` (``PL_GLOBAL_SEED``), else 0. Set it in ``__init__`` to fix it.
+    """
+
+    supernet: Supernet
+
+    # -- what users implement or override ------------------------------------------------
+
+    def compute_loss(self, output: Any, batch: Any) -> Tensor:
+        """The scalar training loss of the supernet's ``output`` for ``batch``. Must be implemented."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement compute_loss(self, output, batch) returning a scalar loss tensor."
+        )
+
+    def pipeline_input(self, batch: Any) -> Any:
+        """What the first block receives for ``batch``; defaults to ``batch[0]``."""
+        return batch[0]
+
+    def sample_subnet(self, index: int) -> Architecture:
+        """Architecture of subnet ``index``: a uniform candidate per label from ``(naspipe_seed, index)``.
+
+        Override it to change the sampler, but keep it a pure function of ``index`` (never draw
+        from the global RNG): every stage evaluates it on its own and resume relies on it.
+        """
+        return uniform_architecture(self._supernet().labels, self.naspipe_seed, index)
+
+    def on_train_subnet_end(self, index: int, architecture: Architecture, loss: Tensor) -> None:
+        """Called after subnet ``index`` is trained and updated, with its (detached) loss."""
+
+    # -- the training step shared by both paths ---------------------------------------------
+
+    @property
+    def naspipe_seed(self) -> int:
+        seed = self.__dict__.get("_naspipe_seed")
+        if seed is None:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return seed
+
+    @naspipe_seed.setter
+    def naspipe_seed(self, seed: int) -> None:
+        self.__dict__["_naspipe_seed"] = int(seed)
+
+    @property
+    def automatic_optimization(self) -> bool:
+        return False
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        if value:
+            raise NASPipeConfigError(
+                "NASPipe modules use manual optimization (one optimizer step per subnet, on that subnet's "
+                "parameters only); do not set automatic_optimization = True. Schedulers and steps are handled "
+                "for you."
+            )
+
+    def configure_callbacks(self) -> Any:
+        """Adds :class:`NASPipeCallback`; call ``super().configure_callbacks()`` when overriding."""
+        from lightning_naspipe.callback import NASPipeCallback, validate_run
+
+        module: pl.LightningModule = self  # type: ignore[assignment]
+        if module._trainer is not None:
+            validate_run(module.trainer, self)  # before Lightning's own, less fitting, advice
+        return [NASPipeCallback()]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        """Train one subnet (plain Trainer) or one window of subnets (``strategy="naspipe"``)."""
+        module: pl.LightningModule = self  # type: ignore[assignment]
+        trainer = module.trainer
+        from lightning_naspipe.strategy import NASPipeStrategy
+
+        if isinstance(trainer.strategy, NASPipeStrategy):
+            engine, batches = trainer.strategy.engine, list(batch)
+        else:
+            engine, batches = self._sequential_engine(), [batch]
+        first = trainer.global_step
+        if trainer.max_steps >= 0:
+            batches = batches[: max(0, trainer.max_steps - first)]
+        window = engine.train_window(self, batches, first)
+        return self._report(window, batches)
+
+    def _report(self, window: Window, batches: list[Any]) -> Tensor | None:
+        from pytorch_lightning.utilities.data import extract_batch_size
+
+        module: pl.LightningModule = self  # type: ignore[assignment]
+        reported = []
+        for k, (batch, loss) in enumerate(zip(batches, window.losses)):
+            if loss is None:
+                continue
+            reported.append(loss)
+            # Logged once per subnet: the step value is the window's last subnet, the epoch value
+            # averages every subnet, exactly as in the sequential path.
+            module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True,
+                       batch_size=extract_batch_size(batch))
+            self.on_train_subnet_end(window.first_index + k, window.architectures[k], loss)
+        return reported[-1] if reported else None
+
+    def _sequential_engine(self) -> Engine:
+        engine = self.__dict__.get("_naspipe_engine")
+        if engine is None:
+            engine = Engine([range(len(self._supernet()))])
+            self.__dict__["_naspipe_engine"] = engine
+        return engine
+
+    def _supernet(self) -> Supernet:
+        supernet = getattr(self, "supernet", None)
+        if not isinstance(supernet, Supernet):
+            raise NASPipeConfigError(
+                f"{type(self).__name__} has no supernet: set self.supernet = lightning_naspipe.Supernet(...) in "
+                "__init__."
+            )
+        return supernet

@@ -1,0 +1,112 @@
+"""A small supernet exercising everything the reproducibility contract covers, and a runner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_naspipe as lnp
+
+FEATURES = 6
+CLASSES = 3
+
+
+class ToyNet(lnp.NASPipeMixin, pl.LightningModule):
+    """Adam, a step LR schedule, dropout, BatchNorm, an Identity candidate, a shared label,
+    trainable stem and head."""
+
+    def __init__(self, lr: float = 0.05, width: int = 8) -> None:
+        super().__init__()
+        self.lr = lr
+        self.losses: dict[int, torch.Tensor] = {}
+        self.supernet = lnp.Supernet(
+            nn.Linear(FEATURES, width),  # trainable stem: conflicts with every subnet
+            lnp.ChoiceBlock([nn.Sequential(nn.Linear(width, width), nn.ReLU()), nn.Identity(),
+                             nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3))]),
+            lnp.ChoiceBlock({"bn": nn.BatchNorm1d(width), "tanh": nn.Tanh(), "lin": nn.Linear(width, width)},
+                            label="shared"),
+            lnp.ChoiceBlock([nn.Sequential(nn.Dropout(0.2), nn.Linear(width, width)), nn.ReLU(),
+                             nn.Linear(width, width)], label="shared"),
+            nn.Linear(width, CLASSES),  # trainable head
+        )
+
+    def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, batch[1])
+
+    def on_train_subnet_end(self, index: int, architecture: dict[str, int], loss: torch.Tensor) -> None:
+        self.losses[index] = loss.clone()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def toy_loader(samples: int = 96, batch_size: int = 8, shuffle: bool = True) -> DataLoader:
+    generator = torch.Generator().manual_seed(123)
+    x = torch.randn(samples, FEATURES, generator=generator)
+    y = torch.randint(0, CLASSES, (samples,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+
+
+def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, max_epochs=2,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def full_state(model: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Any]:
+    """Every parameter, buffer and optimizer-state tensor, plus per-subnet losses."""
+    optimizer_state = trainer.optimizers[0].state_dict()
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer_state,
+        "losses": dict(getattr(model, "losses", {})),
+        "global_step": trainer.global_step,
+    }
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["global_step"] == b["global_step"]
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"parameter/buffer {name} differs"
+    _assert_equal_nested(a["optimizer"], b["optimizer"], "optimizer")
+    assert a["losses"].keys() == b["losses"].keys()
+    for index in a["losses"]:
+        assert torch.equal(a["losses"][index], b["losses"][index]), f"loss of subnet {index} differs"
+
+
+def _assert_equal_nested(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where} keys differ: {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            _assert_equal_nested(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal_nested(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def train(strategy: Any = None, seed: int = 7, model_cls: type = ToyNet, loader: DataLoader | None = None,
+          **trainer_overrides: Any) -> tuple[pl.LightningModule, pl.Trainer]:
+    torch.set_num_threads(1)
+    pl.seed_everything(seed, verbose=False)
+    model = model_cls()
+    kwargs = trainer_kwargs(**trainer_overrides)
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(model, loader if loader is not None else toy_loader())
+    return model, trainer

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_naspipe.data import DataTracker, WindowLoader
+
+
+def _trainer(step: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(global_step=step, current_epoch=0, num_training_batches=float("inf"))
+
+
+def test_windows_group_consecutive_batches() -> None:
+    loader = DataLoader(list(range(10)), batch_size=2)
+    trainer = _trainer()
+    windows = list(WindowLoader(loader, 3, DataTracker(lambda: trainer)))
+    assert [[b.tolist() for b in w] for w in windows] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9]]]
+
+
+def test_resume_replays_the_shuffle_and_skips_trained_batches() -> None:
+    loader = DataLoader(list(range(12)), batch_size=1, shuffle=True)
+    trainer = _trainer()
+    tracker = DataTracker(lambda: trainer)
+    torch.manual_seed(0)
+    iterator = iter(WindowLoader(loader, 2, tracker))
+    first = [next(iterator), next(iterator)]
+    trainer.global_step = 3  # e.g. max_steps stopped inside the second window
+    state = tracker.state_dict()
+    assert state["position"] == 3 and not state["finished"]
+    rest = [w for w in iterator]
+    expected = [b.item() for w in first + rest for b in w]
+    after = torch.rand(1)
+
+    torch.manual_seed(99)  # a fresh process: another RNG state
+    resumed_trainer = _trainer(step=3)
+    resumed = DataTracker(lambda: resumed_trainer)
+    resumed.load_state_dict(state)
+    got = [b.item() for w in WindowLoader(loader, 4, resumed) for b in w]
+    assert got == expected[3:]
+    # The RNG continues from where it was at the checkpoint.
+    assert torch.equal(torch.rand(1), after)
+
+
+def test_finished_epoch_resumes_with_a_fresh_epoch() -> None:
+    loader = DataLoader(list(range(4)), batch_size=1, shuffle=True)
+    trainer = _trainer()
+    tracker = DataTracker(lambda: trainer)
+    list(WindowLoader(loader, 2, tracker))
+    trainer.global_step = 4
+    state = tracker.state_dict()
+    assert state["finished"]
+    next_epoch = [b.item() for w in WindowLoader(loader, 2, tracker) for b in w]
+
+    resumed = DataTracker(lambda: _trainer(step=4))
+    resumed.load_state_dict(state)
+    torch.manual_seed(1234)
+    assert [b.item() for w in WindowLoader(loader, 2, resumed) for b in w] == next_epoch

@@ -1,0 +1,134 @@
+"""Bad configurations fail early with a NASPipeConfigError that names the problem and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+import lightning_naspipe as lnp
+from helpers import ToyNet, toy_loader, trainer_kwargs
+
+
+def _fit(model: pl.LightningModule, strategy: Any = None, **overrides: Any) -> pl.Trainer:
+    kwargs = trainer_kwargs(**{"max_steps": 2, **overrides})
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(model, toy_loader())
+    return trainer
+
+
+class NoMixin(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoSupernet(lnp.NASPipeMixin, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 3)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class AutoOpt(ToyNet):
+    @property
+    def automatic_optimization(self) -> bool:
+        return True
+
+
+class TwoOptimizers(ToyNet):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoLoss(lnp.NASPipeMixin, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.supernet = lnp.Supernet(nn.Linear(6, 3))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ExtraParameters(ToyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside = nn.Linear(2, 2)
+
+
+def test_module_without_mixin_is_refused_by_the_strategy() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="NASPipeMixin"):
+        _fit(NoMixin(), "naspipe")
+
+
+@pytest.mark.parametrize("strategy", [None, "naspipe"])
+def test_module_without_supernet(strategy: str | None) -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="self.supernet = "):
+        _fit(NoSupernet(), strategy)
+
+
+@pytest.mark.parametrize("strategy", [None, "naspipe"])
+def test_gradient_accumulation_is_refused_with_advice(strategy: str | None) -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="larger batch_size"):
+        _fit(ToyNet(), strategy, accumulate_grad_batches=2)
+
+
+@pytest.mark.parametrize("strategy", [None, "naspipe"])
+def test_gradient_clipping_is_refused_with_advice(strategy: str | None) -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="clip_grad_value_"):
+        _fit(ToyNet(), strategy, gradient_clip_val=1.0)
+
+
+def test_setting_automatic_optimization_is_refused() -> None:
+    model = ToyNet()
+    model.automatic_optimization = False  # harmless
+    with pytest.raises(lnp.NASPipeConfigError, match="manual optimization"):
+        model.automatic_optimization = True
+
+
+@pytest.mark.parametrize("strategy", [None, "naspipe"])
+def test_overriding_automatic_optimization_is_refused(strategy: str | None) -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="automatic optimization"):
+        _fit(AutoOpt(), strategy)
+
+
+def test_more_than_one_optimizer_is_refused() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="exactly one"):
+        _fit(TwoOptimizers(), "naspipe")
+
+
+def test_parameters_outside_the_supernet_are_refused() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="outside self.supernet"):
+        _fit(ExtraParameters())
+
+
+def test_missing_compute_loss_is_named() -> None:
+    with pytest.raises(NotImplementedError, match="compute_loss"):
+        _fit(NoLoss(), "naspipe")
+
+
+def test_on_train_subnet_end_sees_every_subnet_in_order() -> None:
+    model = ToyNet()
+    _fit(model, lnp.NASPipeStrategy(window=3), max_steps=7)
+    assert list(model.losses) == list(range(7))
+
+
+def test_seed_comes_from_seed_everything_or_the_attribute() -> None:
+    pl.seed_everything(31, verbose=False)
+    model = ToyNet()
+    assert model.naspipe_seed == 31
+    model.naspipe_seed = 5
+    assert model.naspipe_seed == 5
