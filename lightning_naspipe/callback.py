@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 
 from lightning_naspipe.data import reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.mixin import NASPipeMixin, supernet_of
 from lightning_naspipe.optim import step_schedulers
 
 CHECKPOINT_KEY = "naspipe"
@@ -23,14 +24,12 @@ def validate_run(trainer: pl.Trainer, module: object) -> None:
 
     Runs before Lightning's own manual-optimization checks, so users get advice that fits NASPipe.
     """
-    from lightning_naspipe.mixin import NASPipeMixin
-
     if not isinstance(module, NASPipeMixin):
         raise NASPipeConfigError(
             f"{type(module).__name__} does not use the NASPipe mixin: declare it as "
             f"class {type(module).__name__}(lightning_naspipe.NASPipeMixin, pytorch_lightning.LightningModule)."
         )
-    module._supernet()  # raises if self.supernet is missing
+    supernet_of(module)  # raises if self.supernet is missing
     if getattr(module, "automatic_optimization", False):
         raise NASPipeConfigError(
             f"{type(module).__name__} re-enables automatic optimization; NASPipe steps the optimizer once per "
@@ -62,7 +61,7 @@ class NASPipeCallback(pl.Callback):
                 f"configure_optimizers returned {len(optimizers)} optimizers; NASPipe needs exactly one. "
                 "Use parameter groups for different settings."
             )
-        supernet_params = {id(p) for p in pl_module.supernet.parameters()}  # type: ignore[attr-defined]
+        supernet_params = {id(p) for p in supernet_of(pl_module).parameters()}
         outside = [
             name
             for name, p in pl_module.named_parameters()
@@ -80,7 +79,7 @@ class NASPipeCallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        state: dict[str, Any] = {"seed": pl_module.naspipe_seed}  # type: ignore[attr-defined]
+        state: dict[str, Any] = {"seed": getattr(pl_module, "naspipe_seed", 0)}
         tracker = getattr(trainer.strategy, "data_tracker", None)
         if tracker is not None:
             data = state["data"] = tracker.state_dict()
@@ -94,7 +93,7 @@ class NASPipeCallback(pl.Callback):
         state = checkpoint.get(CHECKPOINT_KEY)
         if not state:
             return
-        pl_module.naspipe_seed = state["seed"]  # type: ignore[attr-defined]
+        pl_module.naspipe_seed = state["seed"]
         tracker = getattr(trainer.strategy, "data_tracker", None)
         if tracker is not None and "data" in state:
             tracker.load_state_dict(state["data"])

@@ -13,15 +13,27 @@ its own row of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from lightning_naspipe.executor import StageExecutor, Transport, Window
+from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.schedule import build_schedule
 
-if TYPE_CHECKING:
-    from lightning_naspipe.mixin import NASPipeMixin
+
+
+class EngineModule(StageModule, Protocol):
+    """What the engine needs from the user's module (a LightningModule with the mixin)."""
+
+    @property
+    def naspipe_seed(self) -> int: ...
+
+    @property
+    def trainer(self) -> Any: ...
+
+    def sample_subnet(self, index: int) -> dict[str, int]: ...
+
+    def optimizers(self) -> Any: ...
 
 
 class Engine:
@@ -51,7 +63,7 @@ class Engine:
         """The blocks this stage runs."""
         return self.stage_blocks[self.stage]
 
-    def train_window(self, module: NASPipeMixin, batches: Sequence[Any], first_index: int) -> Window:
+    def train_window(self, module: EngineModule, batches: Sequence[Any], first_index: int) -> Window:
         """Train subnets ``first_index, first_index + 1, ...`` on ``batches``, one batch each.
 
         Returns:
@@ -69,10 +81,27 @@ class Engine:
         def update(k: int) -> None:
             self.update(module, window.first_index + k, architectures[k])
 
+        if self.transport is not None:
+            self.transport.begin_window(schedule)
         executor.run(schedule.stages[self.stage], window, update)
+        if self.transport is not None:
+            self.transport.end_window()
+            window.losses = self.transport.share(window.losses)
         return window
 
-    def update(self, module: NASPipeMixin, index: int, architecture: dict[str, int]) -> None:
+    def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
+        """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
+        architecture = module.supernet.validate(architecture)
+        executor = StageExecutor(
+            module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport
+        )
+        output = executor.forward_only(batch, architecture)
+        if self.transport is not None:
+            self.transport.end_window()
+            output = self.transport.share(output)
+        return output
+
+    def update(self, module: EngineModule, index: int, architecture: dict[str, int]) -> None:
         """Step the optimizer on subnet ``index``'s parameters of this stage, then per-step schedulers."""
         supernet = module.supernet
         resources = supernet.resources(self.blocks, architecture)

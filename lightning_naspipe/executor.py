@@ -14,12 +14,22 @@ import torch
 from torch import Tensor
 
 from lightning_naspipe.sampling import keyed_rng
-from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action
+from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.supernet import Architecture, Supernet
 
 
+# Randomness key of evaluation forwards: apart from every training subnet's (indices are >= 0).
+EVALUATION_INDEX = -1
+
+
 class Transport(Protocol):
-    """Moves activations to the next stage and gradients to the previous one."""
+    """Moves activations to the next stage and gradients to the previous one (see ``transport.py``)."""
+
+    def begin_window(self, schedule: Schedule) -> None: ...
+
+    def end_window(self) -> None: ...
+
+    def share(self, value: Any) -> Any: ...
 
     def send_activation(self, subnet: int, chunk: int, value: Any) -> None: ...
 
@@ -28,6 +38,10 @@ class Transport(Protocol):
     def send_gradient(self, subnet: int, chunk: int, value: Any) -> None: ...
 
     def recv_gradient(self, subnet: int, chunk: int) -> Any: ...
+
+    def send_value(self, stage: int, value: Any) -> None: ...
+
+    def recv_value(self, stage: int) -> Any: ...
 
 
 class StageModule(Protocol):
@@ -108,6 +122,27 @@ class StageExecutor:
             else:  # pragma: no cover - the scheduler only emits the three kinds
                 raise ValueError(f"unknown action {action}")
 
+    def forward_only(self, batch: Any, architecture: Architecture) -> Any:
+        """This stage's part of an evaluation forward; the output on the last stage, else ``None``."""
+        if self.is_first:
+            x = self.module.pipeline_input(batch)
+        else:
+            assert self.transport is not None
+            x = self.transport.recv_value(self.stage - 1)
+        x = self._run_blocks(x, architecture, EVALUATION_INDEX, 0)
+        if self.is_last:
+            return x
+        assert self.transport is not None
+        self.transport.send_value(self.stage + 1, x)
+        return None
+
+    def _run_blocks(self, x: Any, architecture: Architecture, index: int, chunk: int) -> Any:
+        device = _device_of(x)
+        for block in self.blocks:
+            with keyed_rng(device, self.seed, index, block, chunk):
+                x = self.module.supernet.block_op(block, architecture)(x)
+        return x
+
     def _forward(self, window: Window, k: int, c: int) -> None:
         piece, weight = window.pieces[k][c]
         if self.is_first:
@@ -115,13 +150,7 @@ class StageExecutor:
         else:
             assert self.transport is not None
             inputs = self.transport.recv_activation(k, c)
-        x = inputs
-        index = window.first_index + k
-        device = _device_of(x)
-        architecture = window.architectures[k]
-        for block in self.blocks:
-            with keyed_rng(device, self.seed, index, block, c):
-                x = self.module.supernet.block_op(block, architecture)(x)
+        x = self._run_blocks(inputs, window.architectures[k], window.first_index + k, c)
         if self.is_last:
             loss = self.module.compute_loss(x, piece)
             if not isinstance(loss, Tensor) or loss.dim() != 0:

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+import warnings
+from typing import TYPE_CHECKING, Any, cast
 
 import pytorch_lightning as pl
 from torch import Tensor
 
 from lightning_naspipe.engine import Engine
+
+if TYPE_CHECKING:
+    from lightning_naspipe.engine import EngineModule
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.executor import Window
-from lightning_naspipe.sampling import uniform_architecture
+from lightning_naspipe.sampling import EVAL_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.supernet import Architecture, Supernet
+
+
+# The losses NASPipe logs are broadcast from the last stage, identical on every rank: syncing
+# (averaging) them would add rounding, so Lightning's advice to sync does not apply to them.
+warnings.filterwarnings("ignore", message=r".*self\.log\('(train_loss|val_loss|test_loss)', \.\.\., sync_dist=True\)")
 
 
 class NASPipeMixin:
@@ -57,6 +66,45 @@ class NASPipeMixin:
     def on_train_subnet_end(self, index: int, architecture: Architecture, loss: Tensor) -> None:
         """Called after subnet ``index`` is trained and updated, with its (detached) loss."""
 
+    def eval_architecture(self, batch_idx: int, dataloader_idx: int = 0) -> Architecture:
+        """The subnet the default ``validation_step``/``test_step`` evaluate on batch ``batch_idx``.
+
+        Default: a uniform random subnet drawn from ``(naspipe_seed, batch_idx)`` in a stream apart
+        from training's, so every epoch evaluates the same subnets and curves are comparable.
+        Override it to evaluate, e.g., one fixed architecture.
+        """
+        return uniform_architecture(self._supernet().labels, mix(EVAL_DOMAIN, self.naspipe_seed), batch_idx)
+
+    def subnet_output(self, batch: Any, architecture: Architecture) -> Any:
+        """Run subnet ``architecture`` on ``batch`` (no backward) and return its output.
+
+        Under ``strategy="naspipe"`` with several stages the batch flows through the pipeline and
+        the output is returned on every stage, so validation code runs unchanged on every rank.
+        """
+        module: pl.LightningModule = self  # type: ignore[assignment]
+        from lightning_naspipe.strategy import NASPipeStrategy
+
+        strategy = module.trainer.strategy if module._trainer is not None else None
+        engine = strategy.engine if isinstance(strategy, NASPipeStrategy) and strategy.engine else None
+        return (engine or self._sequential_engine()).evaluate(cast("EngineModule", self), batch, architecture)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        """Logs ``val_loss`` of subnet :meth:`eval_architecture` on the batch; override for metrics."""
+        return self._evaluation_step("val_loss", batch, batch_idx, dataloader_idx)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        """Logs ``test_loss`` of subnet :meth:`eval_architecture` on the batch; override for metrics."""
+        return self._evaluation_step("test_loss", batch, batch_idx, dataloader_idx)
+
+    def _evaluation_step(self, name: str, batch: Any, batch_idx: int, dataloader_idx: int) -> Tensor:
+        from pytorch_lightning.utilities.data import extract_batch_size
+
+        output = self.subnet_output(batch, self.eval_architecture(batch_idx, dataloader_idx))
+        loss = self.compute_loss(output, batch)
+        module: pl.LightningModule = self  # type: ignore[assignment]
+        module.log(name, loss, prog_bar=True, batch_size=extract_batch_size(batch))
+        return loss
+
     # -- the training step shared by both paths ---------------------------------------------
 
     @property
@@ -99,13 +147,14 @@ class NASPipeMixin:
         from lightning_naspipe.strategy import NASPipeStrategy
 
         if isinstance(trainer.strategy, NASPipeStrategy):
+            assert trainer.strategy.engine is not None, "set up by NASPipeStrategy.setup"
             engine, batches = trainer.strategy.engine, list(batch)
         else:
             engine, batches = self._sequential_engine(), [batch]
         first = trainer.global_step
         if trainer.max_steps >= 0:
             batches = batches[: max(0, trainer.max_steps - first)]
-        window = engine.train_window(self, batches, first)
+        window = engine.train_window(cast("EngineModule", self), batches, first)
         return self._report(window, batches)
 
     def _report(self, window: Window, batches: list[Any]) -> Tensor | None:
@@ -132,10 +181,15 @@ class NASPipeMixin:
         return engine
 
     def _supernet(self) -> Supernet:
-        supernet = getattr(self, "supernet", None)
-        if not isinstance(supernet, Supernet):
-            raise NASPipeConfigError(
-                f"{type(self).__name__} has no supernet: set self.supernet = lightning_naspipe.Supernet(...) in "
-                "__init__."
-            )
-        return supernet
+        return supernet_of(self)
+
+
+def supernet_of(module: object) -> Supernet:
+    """``module.supernet``, or a clear error if the user did not set one."""
+    supernet = getattr(module, "supernet", None)
+    if not isinstance(supernet, Supernet):
+        raise NASPipeConfigError(
+            f"{type(module).__name__} has no supernet: set self.supernet = lightning_naspipe.Supernet(...) in "
+            "__init__."
+        )
+    return supernet

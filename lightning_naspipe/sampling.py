@@ -17,6 +17,7 @@ _MASK64 = (1 << 64) - 1
 # Domain tags keep the streams for sampling and for dropout independent of each other.
 SAMPLER_DOMAIN = 0x5A3D
 DROPOUT_DOMAIN = 0xD209
+EVAL_DOMAIN = 0xE7A1
 
 
 def _splitmix64(x: int) -> int:

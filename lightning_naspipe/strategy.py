@@ -1,48 +1,77 @@
 """``NASPipeStrategy``: pipeline-parallel supernet training as a Lightning strategy.
 
 Thin glue: Lightning's loop hands the mixin one *window* per batch (see :mod:`.data`), the
-mixin's ``training_step`` runs it through the strategy's :class:`~.engine.Engine`, and the
-engine's results are bitwise those of a plain one-device ``Trainer``.
+mixin's ``training_step`` runs it through the strategy's :class:`~.engine.Engine` on this
+process's pipeline stage, and the results are bitwise those of a plain one-device ``Trainer``.
+One process per stage, launched by Lightning's own launchers (or ``torchrun``); the process
+group is gloo on CPU and NCCL on CUDA.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.utilities.types import ReduceOp
+from lightning_fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from torch.distributed import ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.strategies.strategy import TBroadcast
 from pytorch_lightning.trainer.states import RunningStage
+from pytorch_lightning.utilities import rank_zero_only
+from torch.optim import Optimizer
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_naspipe.callback import NASPipeCallback, validate_run
 from lightning_naspipe.data import DataTracker, WindowLoader
+from lightning_naspipe.distributed import drop_foreign_state, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.mixin import supernet_of
+from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
+from lightning_naspipe.transport import P2PTransport
 
 
 class NASPipeStrategy(ParallelStrategy):
     """Trains a NASPipe supernet with causal-synchronous-parallel (CSP) pipelining.
 
-    Use it as ``Trainer(strategy="naspipe")`` or ``Trainer(strategy=NASPipeStrategy(window=16))``.
-    One Lightning batch is a window of ``window`` subnets, each trained on its own batch of the
-    user's dataloader, so ``global_step`` and ``max_steps`` count subnets while the progress bar
-    and ``limit_train_batches`` count windows.
+    Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
+    The supernet's blocks are split into one contiguous stage per process. One Lightning batch is a
+    window of ``window`` subnets, each trained on its own batch of the user's dataloader, so
+    ``global_step`` and ``max_steps`` count subnets while the progress bar and
+    ``limit_train_batches`` count windows. Every stage sees the same batches.
 
     Args:
-        window: subnets per Lightning batch; the scheduler may overlap any of them whose
-            parameters are disjoint. Results do not depend on it. At least 1.
-        chunks: micro-batches each subnet's batch is split into (along dim 0). Results are
-            exact for a fixed ``chunks``; changing it changes the summation order.
-        num_stages: pipeline stages; defaults to the number of processes (devices × nodes).
-            Only one stage is supported in this release.
+        window: subnets per Lightning batch; the scheduler overlaps any of them whose parameters
+            are disjoint. Results do not depend on it. At least 1.
+        chunks: micro-batches each subnet's batch is split into (along dim 0), pipelined through
+            the stages. Results are exact for a fixed ``chunks``; another value changes the
+            summation order.
+        num_stages: pipeline stages; must equal the number of processes (devices x nodes),
+            which is the default.
+        balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by the expected
+            parameter count of one subnet per block (see :mod:`lightning_naspipe.partition`).
+        timeout: how long a stage waits for a neighbour or a collective before it declares
+            that stage lost and fails the run.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device type.
+        start_method: ``"popen"`` (re-run the script per process, Lightning's default) or
+            ``"spawn"``/``"fork"``/``"forkserver"`` (multiprocessing, e.g. for notebooks).
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer from ``devices``.
-        cluster_environment: set by the Trainer.
+        cluster_environment: set by the Trainer (``torchrun``, SLURM, ... are detected).
         checkpoint_io: how checkpoints are written; Lightning's default ``torch.save`` format.
         precision_plugin: set by the Trainer from ``precision``.
     """
@@ -54,6 +83,10 @@ class NASPipeStrategy(ParallelStrategy):
         window: int = 8,
         chunks: int = 1,
         num_stages: int | None = None,
+        balance: Sequence[int] | None = None,
+        timeout: timedelta = timedelta(minutes=3),
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -74,8 +107,16 @@ class NASPipeStrategy(ParallelStrategy):
         self.window = window
         self.chunks = chunks
         self.num_stages = num_stages
+        self.balance = list(balance) if balance is not None else None
+        self.timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self._num_nodes = 1
         self.engine: Engine | None = None
-        self.data_tracker = DataTracker(lambda: self.lightning_module.trainer)  # type: ignore[union-attr]
+        self.stage_ranges: list[range] = []
+        self.data_tracker = DataTracker(self._trainer)
+
+    # -- processes ----------------------------------------------------------------------------
 
     @property
     @override
@@ -85,9 +126,44 @@ class NASPipeStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Lightning injects a shuffling, sharding DistributedSampler for distributed strategies;
-        # every stage must see the whole batch sequence of the one-device run, so never.
+        # Lightning injects a sharding DistributedSampler for distributed strategies; every stage
+        # must see the whole batch sequence of the one-device run, so never.
         return False
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def stage(self) -> int:
+        """This process's pipeline stage (its global rank)."""
+        return self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.num_processes * self.num_nodes == 1 and not self.cluster_environment.creates_processes_externally:
+            # Nothing to launch. Lightning's launchers would also change the intra-op thread count
+            # (OMP_NUM_THREADS), and with it the float results of CPU kernels.
+            self._launcher = None
+        elif self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -98,48 +174,135 @@ class NASPipeStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         stages = self.num_stages if self.num_stages is not None else self.world_size
-        if self.world_size != 1 or stages != 1:
+        if stages != self.world_size:
             raise NASPipeConfigError(
-                f"NASPipeStrategy got {self.world_size} process(es) and num_stages={stages}; this release runs "
-                "one stage on one device. Use devices=1 (and num_nodes=1)."
+                f"NASPipeStrategy(num_stages={stages}) needs one process per stage, but the Trainer starts "
+                f"{self.world_size}; set devices x num_nodes = {stages}, or leave num_stages unset."
             )
         super().setup_environment()
+        if self.world_size > 1:
+            self.set_world_ranks()
+            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            self._process_group_backend = backend
+            assert self.cluster_environment is not None
+            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
         # Runs after the module's configure_callbacks and before checkpoint restore, so a module
         # that overrides configure_callbacks still gets the callback and its resume state.
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if not any(isinstance(c, NASPipeCallback) for c in trainer.callbacks):
-            trainer.callbacks.append(NASPipeCallback())
+        trainer = self._trainer()
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set dynamically by Lightning
+        if not any(isinstance(c, NASPipeCallback) for c in callbacks):
+            callbacks.append(NASPipeCallback())
+
+    def _trainer(self) -> pl.Trainer:
+        assert self.lightning_module is not None, "the strategy is connected to a module"
+        return self.lightning_module.trainer
+
+    # -- placement ----------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self.model_to_device()
-        supernet = self.lightning_module._supernet()  # type: ignore[operator]
-        self.engine = Engine([range(len(supernet))], stage=0, chunks=self.chunks)
+        supernet = supernet_of(self.lightning_module)
+        self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance)
+        check_no_shared_parameters(supernet, self.stage_ranges)
+        transport = None
+        if self.world_size > 1:
+            transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout)
+        self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport)
+        if self.world_size > 1:
+            supernet.local_blocks = self.engine.blocks
         super().setup(trainer)
+        if self.optimizers:
+            drop_foreign_state(self.optimizers[0], self._owned())
+
+    @override
+    def model_to_device(self) -> None:
+        # Only this stage's blocks go to the device; the others stay where the user built them.
+        module = self.lightning_module
+        assert module is not None
+        supernet = supernet_of(module)
+        own = set(self.engine.blocks if self.engine is not None else range(len(supernet)))
+        for i, block in enumerate(supernet.blocks):
+            if i in own:
+                block.to(self.root_device)
+        for name, child in module.named_children():
+            if child is not supernet:
+                child.to(self.root_device)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.data = tensor.data.to(self.root_device)
+        module._device = self.root_device
+
+    def _owned(self) -> set[int]:
+        assert self.engine is not None
+        supernet = supernet_of(self.lightning_module)
+        return {id(p) for i in self.engine.blocks for p in supernet.blocks[i].parameters()}
+
+    def sync_weights(self) -> None:
+        """Give every rank the full, current weights (collective)."""
+        if self.world_size > 1:
+            supernet = supernet_of(self.lightning_module)
+            sync_stage_weights(list(supernet.blocks), self.stage_ranges, list(range(self.world_size)), self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        self.sync_weights()
+        supernet_of(self.lightning_module).local_blocks = None  # whole again
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.sync_weights()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if self.world_size == 1:
+            return inner.state_dict()
+        return gather_optimizer_state(inner, self._owned(), self.root_device)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        drop_foreign_state(self.optimizers[0], self._owned())
+
+    # -- data -----------------------------------------------------------------------------------
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        sampler = getattr(dataloader, "sampler", None)
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        if isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None),
+                                                                 DistributedSampler):
+            raise NASPipeConfigError(
+                "The dataloader uses a DistributedSampler, which gives each stage different data; every NASPipe "
+                "stage must see the same batches. Use a normal sampler (e.g. DataLoader(..., shuffle=True))."
+            )
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         return WindowLoader(dataloader, self.window, self.data_tracker)  # type: ignore[arg-type]
 
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
+    # -- collectives ----------------------------------------------------------------------------
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        pass
+        if _distributed_is_initialized():
+            dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return obj
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
 
     @classmethod
     @override

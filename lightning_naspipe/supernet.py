@@ -103,6 +103,8 @@ class Supernet(nn.Module):
                     f"{len(block)} at block {i}); give them equal counts or different labels."
                 )
         self._resource_of = self._index_resources()
+        #: Set by a multi-stage strategy while this process's copy is current only for these blocks.
+        self.local_blocks: range | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -184,6 +186,12 @@ class Supernet(nn.Module):
     def forward(self, x: object, architecture: Mapping[str, int]) -> object:
         """Run the whole subnet ``architecture`` on ``x`` (no keyed randomness; for inference)."""
         architecture = self.validate(architecture)
+        if self.local_blocks is not None:
+            raise RuntimeError(
+                f"This process runs pipeline stage blocks {self.local_blocks.start}..{self.local_blocks.stop - 1} "
+                "only; the other blocks' weights live on other stages. Use self.subnet_output(batch, architecture) "
+                "in validation and test steps: it runs the subnet through the pipeline."
+            )
         for i in range(len(self.blocks)):
             x = self.block_op(i, architecture)(x)
         return x

@@ -100,7 +100,7 @@ def _assert_equal_nested(a: Any, b: Any, where: str) -> None:
 
 
 def train(strategy: Any = None, seed: int = 7, model_cls: type = ToyNet, loader: DataLoader | None = None,
-          **trainer_overrides: Any) -> tuple[pl.LightningModule, pl.Trainer]:
+          val_loader: DataLoader | None = None, **trainer_overrides: Any) -> tuple[pl.LightningModule, pl.Trainer]:
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
     model = model_cls()
@@ -108,5 +108,5 @@ def train(strategy: Any = None, seed: int = 7, model_cls: type = ToyNet, loader:
     if strategy is not None:
         kwargs["strategy"] = strategy
     trainer = pl.Trainer(**kwargs)
-    trainer.fit(model, loader if loader is not None else toy_loader())
+    trainer.fit(model, loader if loader is not None else toy_loader(), val_loader)
     return model, trainer

@@ -64,7 +64,7 @@ def test_bad_strategy_arguments(kwargs: dict, needle: str) -> None:
 
 def test_more_than_one_device_is_refused_clearly() -> None:
     trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(num_stages=2), max_steps=1))
-    with pytest.raises(lnp.NASPipeConfigError, match="one stage"):
+    with pytest.raises(lnp.NASPipeConfigError, match="one process per stage"):
         trainer.fit(ToyNet(), toy_loader())
 
 
@@ -76,3 +76,24 @@ def test_chunks_split_each_subnet_batch() -> None:
     reference, _ = train(lnp.NASPipeStrategy(window=4, chunks=2), max_steps=8)
     for name, value in model.state_dict().items():
         assert torch.equal(value, reference.state_dict()[name])
+
+
+def test_distributed_sampler_is_refused() -> None:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    dataset = toy_loader().dataset
+    loader = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
+    trainer = pl.Trainer(**trainer_kwargs(strategy="naspipe", max_steps=2))
+    with pytest.raises(lnp.NASPipeConfigError, match="same batches"):
+        trainer.fit(ToyNet(), loader)
+
+
+def test_validation_runs_the_evaluation_subnets() -> None:
+    model, trainer = train(lnp.NASPipeStrategy(window=4), max_epochs=1, loader=toy_loader(),
+                           val_loader=toy_loader(samples=16, shuffle=False))
+    assert "val_loss" in trainer.callback_metrics
+    architecture = model.eval_architecture(0)
+    assert architecture == model.eval_architecture(0) and set(architecture) == set(model.supernet.labels)
+    batch = next(iter(toy_loader(samples=16, shuffle=False)))
+    model.eval()
+    assert torch.equal(model.subnet_output(batch, architecture), model.supernet(batch[0], architecture))

@@ -1,0 +1,81 @@
+"""Collectives over all stage processes: shared losses, full weights and full optimizer state.
+
+Each stage trains only its own blocks, so the authoritative copy of a tensor lives on its
+stage's process. These helpers bring everything together where Lightning expects it: the loss
+on every rank (loggers write on rank 0, the first stage), full weights on every rank (after fit
+and for checkpoints), and the optimizer state in the standard one-optimizer layout on rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+
+def broadcast_object(obj: Any, src: int, device: torch.device) -> Any:
+    """``obj`` from rank ``src`` on every rank."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, device=device if dist.get_backend() == "nccl" else None)
+    return holder[0]
+
+
+def broadcast_tensors_(tensors: Iterable[Tensor], src: int, device: torch.device) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place."""
+    nccl = dist.get_backend() == "nccl"
+    with torch.no_grad():
+        for tensor in tensors:
+            if nccl and tensor.device != device:
+                staged = tensor.detach().to(device)
+                dist.broadcast(staged, src=src)
+                tensor.copy_(staged)
+            else:
+                dist.broadcast(tensor.data, src=src)
+
+
+def sync_stage_weights(blocks: Sequence[nn.Module], stage_ranges: Sequence[range], ranks: Sequence[int],
+                       device: torch.device) -> None:
+    """Give every rank the current parameters and buffers of every block, from the owning stage."""
+    for stage, indices in enumerate(stage_ranges):
+        tensors = [t for i in indices for t in (*blocks[i].parameters(), *blocks[i].buffers())]
+        broadcast_tensors_(_unique(tensors), ranks[stage], device)
+
+
+def gather_optimizer_state(optimizer: Optimizer, owned: set[int], device: torch.device) -> dict[str, Any]:
+    """The optimizer's state dict in the standard layout, each parameter's state from its owner.
+
+    Every rank holds the full param groups but steps only the parameters it ``owned`` (ids);
+    rank 0 receives the merged result, other ranks their own part.
+    """
+    local = optimizer.state_dict()
+    index_of = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    mine = {index_of[pid]: _to_cpu(local["state"][index_of[pid]]) for pid in owned
+            if pid in index_of and index_of[pid] in local["state"]}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    merged: dict[int, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": local["param_groups"]}
+
+
+def drop_foreign_state(optimizer: Optimizer, owned: set[int]) -> None:
+    """Free optimizer state this stage does not own (e.g. just loaded from a full checkpoint)."""
+    for p in list(optimizer.state):
+        if id(p) not in owned:
+            del optimizer.state[p]
+
+
+def _unique(tensors: list[Tensor]) -> list[Tensor]:
+    seen: dict[int, Tensor] = {}
+    for t in tensors:
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}

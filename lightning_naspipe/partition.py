@@ -1,0 +1,107 @@
+"""Splitting the supernet's blocks into contiguous pipeline stages.
+
+The default split balances the *expected parameter count per subnet*: a fixed block counts its
+parameters, a choice block the mean over its candidates (what one subnet runs there), and every
+block counts at least 1 so parameter-free blocks still spread. Parameters approximate compute
+for the layers supernets are made of (convolutions, linears); pass ``balance`` explicitly when
+they do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.supernet import ChoiceBlock, Supernet
+
+
+def block_weights(supernet: Supernet) -> list[float]:
+    """Each block's expected parameter count for one subnet (at least 1)."""
+    weights = []
+    for block in supernet.blocks:
+        if isinstance(block, ChoiceBlock):
+            weight = sum(_numel(c) for c in block.candidates) / len(block)
+        else:
+            weight = float(_numel(block))
+        weights.append(max(weight, 1.0))
+    return weights
+
+
+def balanced_split(weights: Sequence[float], stages: int) -> list[int]:
+    """Blocks per stage for a contiguous split minimising the heaviest stage (exact, by DP)."""
+    count = len(weights)
+    prefix = [0.0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    inf = float("inf")
+    # best[s][i]: the smallest possible heaviest stage when the first i blocks form s stages.
+    best = [[inf] * (count + 1) for _ in range(stages + 1)]
+    cut = [[0] * (count + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, count - (stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    sizes, i = [], count
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def stage_ranges(supernet: Supernet, stages: int, balance: Sequence[int] | None = None) -> list[range]:
+    """The block indices of each stage.
+
+    Args:
+        supernet: the search space.
+        stages: the number of pipeline stages.
+        balance: blocks per stage (e.g. ``[3, 2]``); ``None`` balances by :func:`block_weights`.
+
+    Raises:
+        NASPipeConfigError: more stages than blocks, or a ``balance`` that does not cover the blocks.
+    """
+    count = len(supernet)
+    if stages > count:
+        raise NASPipeConfigError(
+            f"{stages} pipeline stages but the supernet has only {count} blocks; every stage needs at least one "
+            f"block. Use at most {count} stages (devices x nodes, or num_stages) or split the supernet into more blocks."
+        )
+    if balance is None:
+        sizes = balanced_split(block_weights(supernet), stages)
+    else:
+        sizes = list(balance)
+        if len(sizes) != stages or any(not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != count:
+            raise NASPipeConfigError(
+                f"balance={list(balance)} must give a positive block count for each of the {stages} stages, "
+                f"summing to the supernet's {count} blocks (e.g. {balanced_split(block_weights(supernet), stages)})."
+            )
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def check_no_shared_parameters(supernet: Supernet, ranges: Sequence[range]) -> None:
+    """Refuse a parameter or buffer used by blocks on two stages (e.g. tied weights)."""
+    owner: dict[int, int] = {}
+    for stage, blocks in enumerate(ranges):
+        for index in blocks:
+            block = supernet.blocks[index]
+            for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
+                first = owner.setdefault(id(tensor), stage)
+                if first != stage:
+                    raise NASPipeConfigError(
+                        f"Block {index} ({name}) shares a parameter or buffer with a block on stage {first}, but runs on "
+                        f"stage {stage}; tied weights must live on one stage. Pass balance=... so that the blocks "
+                        "sharing it are on the same stage, or untie them."
+                    )
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

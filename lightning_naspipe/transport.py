@@ -1,0 +1,176 @@
+"""Moving activations and gradients between neighbouring stage processes.
+
+Each link (stage ``s`` → ``s+1`` for activations, ``s+1`` → ``s`` for gradients) is FIFO, as
+point-to-point messages are with gloo and NCCL. The receiver knows the sender's order from the
+window's schedule (every process computes the same schedule), so it receives in that order and
+buffers messages it does not need yet; the schedule's replay check guarantees this cannot hang.
+Sends are asynchronous and awaited at the end of the window, so a stage computes while its
+outputs are in flight.
+
+A message is a tensor or a tuple of tensors of any shape and dtype: a small header (count,
+dtypes, shapes) goes first so the receiver can allocate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_naspipe.distributed import broadcast_object
+from lightning_naspipe.schedule import Schedule
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+class StageFailure(RuntimeError):
+    """A neighbouring stage failed or its process died."""
+
+
+class P2PTransport:
+    """Point-to-point transport for one stage, over ``torch.distributed``.
+
+    Args:
+        stage: this process's stage.
+        ranks: the global rank of each stage's process.
+        device: where received tensors are placed (the stage's compute device).
+        timeout: how long a receive may wait before the peer is declared lost.
+    """
+
+    def __init__(self, stage: int, ranks: Sequence[int], device: torch.device, timeout: timedelta) -> None:
+        self.stage = stage
+        self.ranks = list(ranks)
+        self.device = device
+        self.timeout = timeout
+        self._pending: list[tuple[Any, list[Tensor]]] = []
+        # Per incoming link: the (subnet, chunk) sequence still to arrive, and early arrivals.
+        self._expected: dict[str, list[tuple[int, int]]] = {"forward": [], "backward": []}
+        self._buffer: dict[str, dict[tuple[int, int], Any]] = {"forward": {}, "backward": {}}
+
+    def begin_window(self, schedule: Schedule) -> None:
+        """Learn the order in which the neighbours will send during this window."""
+        if self.stage > 0:
+            self._expected["forward"] = list(schedule.sends(self.stage - 1, "forward"))[::-1]
+        if self.stage < len(self.ranks) - 1:
+            self._expected["backward"] = list(schedule.sends(self.stage + 1, "backward"))[::-1]
+
+    def end_window(self) -> None:
+        """Wait until every message this stage sent has been delivered."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self._wait(work, "deliver a message to a neighbouring stage")
+
+    def send_activation(self, subnet: int, chunk: int, value: Any) -> None:
+        self._send(self.stage + 1, value)
+
+    def recv_activation(self, subnet: int, chunk: int) -> Any:
+        return self._recv_for("forward", self.stage - 1, (subnet, chunk), requires_grad=True)
+
+    def send_gradient(self, subnet: int, chunk: int, value: Any) -> None:
+        self._send(self.stage - 1, value)
+
+    def recv_gradient(self, subnet: int, chunk: int) -> Any:
+        return self._recv_for("backward", self.stage + 1, (subnet, chunk), requires_grad=False)
+
+    def share(self, value: Any) -> Any:
+        """The last stage's ``value`` (e.g. the window's losses) on every stage."""
+        last = len(self.ranks) - 1
+        return broadcast_object(value if self.stage == last else None, self.ranks[last], self.device)
+
+    def send_value(self, stage: int, value: Any) -> None:
+        """Send outside a window's schedule (evaluation); the peer must call :meth:`recv_value`."""
+        self._send(stage, value)
+
+    def recv_value(self, stage: int) -> Any:
+        return self._recv(stage, requires_grad=False)
+
+    # -- the wire format ------------------------------------------------------------------
+
+    def _send(self, stage: int, value: Any) -> None:
+        tensors, is_tuple = _flatten(value)
+        header = [int(is_tuple), len(tensors)]
+        for t in tensors:
+            header += [_CODE[t.dtype], t.dim(), *t.shape]
+        wire = self._wire_device()
+        size = torch.tensor([len(header)], dtype=torch.int64, device=wire)
+        header_tensor = torch.tensor(header, dtype=torch.int64, device=wire)
+        payload = [t.detach().to(self.device).contiguous() for t in tensors]
+        dst = self.ranks[stage]
+        for t in (size, header_tensor, *payload):
+            # The tensor is kept alive until end_window: the send reads it asynchronously.
+            self._pending.append((dist.isend(t, dst), [t]))
+
+    def _recv_for(self, link: str, stage: int, key: tuple[int, int], requires_grad: bool) -> Any:
+        buffer = self._buffer[link]
+        while key not in buffer:
+            expected = self._expected[link]
+            if not expected:
+                raise RuntimeError(f"stage {self.stage} waits for {link} message {key} that the schedule never sends")
+            buffer[expected.pop()] = self._recv(stage, requires_grad)
+        return buffer.pop(key)
+
+    def _recv(self, stage: int, requires_grad: bool) -> Any:
+        src = self.ranks[stage]
+        size = torch.empty(1, dtype=torch.int64, device=self._wire_device())
+        self._recv_into(size, src, stage)
+        header_tensor = torch.empty(int(size.item()), dtype=torch.int64, device=self._wire_device())
+        self._recv_into(header_tensor, src, stage)
+        header = header_tensor.tolist()
+        is_tuple, count, pos = bool(header[0]), header[1], 2
+        tensors = []
+        for _ in range(count):
+            dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
+            shape = header[pos + 2: pos + 2 + ndim]
+            pos += 2 + ndim
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self._recv_into(t, src, stage)
+            if requires_grad and t.is_floating_point():
+                t.requires_grad_(True)
+            tensors.append(t)
+        return tuple(tensors) if is_tuple else tensors[0]
+
+    def _recv_into(self, tensor: Tensor, src: int, stage: int) -> None:
+        try:
+            work = dist.irecv(tensor, src)
+        except RuntimeError as error:
+            raise _lost(stage, src, error) from error
+        self._wait(work, f"receive from stage {stage} (rank {src})", stage=stage, rank=src)
+
+    def _wait(self, work: Any, what: str, stage: int | None = None, rank: int | None = None) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            if stage is None:
+                raise StageFailure(f"stage {self.stage} could not {what}: a neighbouring stage failed or exited "
+                                   f"({error}).") from error
+            raise _lost(stage, rank, error) from error
+
+    def _wire_device(self) -> torch.device:
+        # NCCL moves only device tensors; gloo only host ones.
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _flatten(value: Any) -> tuple[list[Tensor], bool]:
+    if isinstance(value, Tensor):
+        return [value], False
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
+        return list(value), True
+    raise TypeError(
+        f"A block on a stage boundary returned {type(value).__name__}; blocks must pass a tensor or a tuple of "
+        "tensors to the next stage."
+    )
+
+
+def _lost(stage: int, rank: int | None, error: BaseException) -> StageFailure:
+    return StageFailure(
+        f"Pipeline stage {stage} (rank {rank}) failed or exited: it stopped sending ({error}). "
+        "See that stage's own error output for the cause."
+    )

@@ -1,0 +1,73 @@
+"""Runs ToyNet under NASPipeStrategy in several stage processes; used by test_pipeline.py.
+
+Lightning's subprocess launcher re-runs this script (same arguments) for the other stages.
+Rank 0 writes a normal checkpoint (collective save) plus the per-subnet losses; every rank
+writes its module's state dict, to check that all ranks hold the full weights after fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pytorch_lightning as pl  # noqa: E402
+from pytorch_lightning.loggers import CSVLogger  # noqa: E402
+
+import lightning_naspipe as lnp  # noqa: E402
+from helpers import ToyNet, toy_loader, trainer_kwargs  # noqa: E402
+
+
+class Killer(pl.Callback):
+    """Kills this process (as if it crashed hard) when its stage reaches a given step."""
+
+    def __init__(self, stage: int, step: int) -> None:
+        self.stage, self.step = stage, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == self.stage and trainer.global_step >= self.step:
+            os.kill(os.getpid(), 9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--max-epochs", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill-stage", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=0)
+    parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
+    args = parser.parse_args()
+
+    pl.seed_everything(7, verbose=False)
+    model = ToyNet()
+    callbacks = [Killer(args.kill_stage, args.kill_step)] if args.kill_stage >= 0 else []
+    logging = {"logger": CSVLogger(args.log_dir, name="", version=""), "log_every_n_steps": 1} if args.log_dir else {}
+    trainer = pl.Trainer(**trainer_kwargs(
+        strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks), devices=args.devices,
+        num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,
+        **logging,
+    ))
+    if args.resume:
+        previous = torch.load(args.resume + ".losses", weights_only=False)
+        model.losses.update(previous)
+    val = toy_loader(samples=40, shuffle=False) if args.log_dir else None
+    trainer.fit(model, toy_loader(), val, ckpt_path=args.resume)
+    trainer.save_checkpoint(args.out)
+    torch.save(model.state_dict(), f"{args.out}.rank{trainer.global_rank}")
+    if trainer.global_rank == 0:
+        torch.save(model.losses, args.out + ".losses")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import lightning_naspipe as lnp
+from lightning_naspipe.partition import balanced_split, block_weights, check_no_shared_parameters, stage_ranges
+
+
+def _net() -> lnp.Supernet:
+    return lnp.Supernet(
+        nn.Linear(10, 10),                                          # 110 parameters
+        lnp.ChoiceBlock([nn.Linear(10, 10), nn.Identity()]),       # mean 55
+        nn.ReLU(),                                                  # 0 -> counts as 1
+        lnp.ChoiceBlock([nn.Linear(10, 10), nn.Linear(10, 10)]),   # 110
+        nn.Linear(10, 2),                                           # 22
+    )
+
+
+def test_block_weights_are_expected_parameters_per_subnet() -> None:
+    assert block_weights(_net()) == [110.0, 55.0, 1.0, 110.0, 22.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(weights=st.lists(st.floats(0.5, 100.0), min_size=1, max_size=9), data=st.data())
+def test_balanced_split_is_optimal(weights: list[float], data: st.DataObject) -> None:
+    stages = data.draw(st.integers(1, len(weights)))
+    sizes = balanced_split(weights, stages)
+    assert len(sizes) == stages and all(n >= 1 for n in sizes) and sum(sizes) == len(weights)
+
+    def heaviest(cuts: tuple[int, ...]) -> float:
+        bounds = [0, *cuts, len(weights)]
+        return max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+    ours = tuple(itertools.accumulate(sizes))[:-1]
+    every = itertools.combinations(range(1, len(weights)), stages - 1)  # all contiguous splits
+    assert heaviest(ours) == pytest.approx(min(heaviest(c) for c in every))
+
+
+def test_stage_ranges_default_and_explicit() -> None:
+    net = _net()
+    assert stage_ranges(net, 1) == [range(0, 5)]
+    assert [len(r) for r in stage_ranges(net, 2)] == [2, 3]
+    assert stage_ranges(net, 2, balance=[4, 1]) == [range(0, 4), range(4, 5)]
+
+
+@pytest.mark.parametrize("stages, balance, needle", [
+    (6, None, "only 5 blocks"),
+    (2, [2, 2], "summing to the supernet's 5 blocks"),
+    (2, [5, 0], "positive block count"),
+    (3, [2, 3], "each of the 3 stages"),
+])
+def test_bad_partitions(stages: int, balance: list[int] | None, needle: str) -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match=needle):
+        stage_ranges(_net(), stages, balance)
+
+
+def test_tied_weights_across_stages_are_refused() -> None:
+    tied = nn.Linear(4, 4)
+    net = lnp.Supernet(tied, nn.ReLU(), lnp.ChoiceBlock([tied, nn.Identity()]))
+    check_no_shared_parameters(net, [range(0, 3)])
+    with pytest.raises(lnp.NASPipeConfigError, match="tied weights"):
+        check_no_shared_parameters(net, [range(0, 2), range(2, 3)])

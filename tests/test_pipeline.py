@@ -1,0 +1,153 @@
+"""Several stage processes (gloo on CPU): bitwise equal to the plain one-device Trainer.
+
+Each test launches tests/pipeline_run.py, which trains the ToyNet of helpers.py (Adam, step LR,
+dropout, BatchNorm, trainable stem and head, an Identity candidate, a shared label, shuffled
+data) and writes a normal checkpoint, the per-subnet losses and every rank's weights.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_naspipe as lnp
+from helpers import assert_same_state, train
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).with_name("pipeline_run.py")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    # Results depend on CPU kernels' thread count: pin it like the in-process reference run.
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def _launch(tmp_path: Path, *args: str, name: str = "run", timeout: float = 300, **env: str) -> Path:
+    out = tmp_path / f"{name}.ckpt"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], env=_env(**env), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _state(ckpt: Path) -> dict[str, Any]:
+    raw = torch.load(ckpt, weights_only=False)
+    return {"model": raw["state_dict"], "optimizer": raw["optimizer_states"][0],
+            "losses": torch.load(f"{ckpt}.losses", weights_only=False), "global_step": raw["global_step"]}
+
+
+def _plain_state(tmp_path: Path, **kwargs: Any) -> dict[str, Any]:
+    model, trainer = train(kwargs.pop("strategy", None), **kwargs)
+    path = tmp_path / "plain.ckpt"
+    trainer.save_checkpoint(path)
+    torch.save(model.losses, f"{path}.losses")
+    return _state(path)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _plain_state(tmp_path_factory.mktemp("plain"), max_epochs=2)
+
+
+@pytest.mark.parametrize("stages, window", [(2, 1), (2, 8), (3, 1), (3, 8)])
+def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int) -> None:
+    ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window))
+    assert_same_state(plain, _state(ckpt))
+    for rank in range(stages):  # after fit every rank holds the full trained weights
+        weights = torch.load(f"{ckpt}.rank{rank}")
+        assert all(torch.equal(weights[k], plain["model"][k]) for k in plain["model"])
+
+
+def test_chunks_equal_across_stage_counts(tmp_path: Path) -> None:
+    one_stage = _plain_state(tmp_path, strategy=lnp.NASPipeStrategy(window=8, chunks=2), max_epochs=2)
+    assert_same_state(one_stage, _state(_launch(tmp_path, "--devices", "2", "--window", "8", "--chunks", "2")))
+
+
+def test_stop_on_two_stages_resume_on_three_and_one(tmp_path: Path, plain: dict) -> None:
+    stop = _launch(tmp_path, "--devices", "2", "--window", "4", "--max-steps", "10", name="stop")
+    for stages in (3, 1):
+        resumed = _launch(tmp_path, "--devices", str(stages), "--window", "8", "--resume", str(stop),
+                          name=f"resumed{stages}")
+        assert_same_state(plain, _state(resumed))
+
+
+def test_logging_and_validation_match_plain_run(tmp_path: Path) -> None:
+    _launch(tmp_path, "--devices", "2", "--log-dir", str(tmp_path / "piped"))
+    # The plain reference logs the same way, in-process.
+    from pytorch_lightning.loggers import CSVLogger
+
+    from helpers import toy_loader
+    train(None, max_epochs=2, logger=CSVLogger(tmp_path / "plain", name="", version=""), log_every_n_steps=1,
+          loader=toy_loader(), val_loader=toy_loader(samples=40, shuffle=False))
+    piped, plain_rows = _epoch_metrics(tmp_path / "piped"), _epoch_metrics(tmp_path / "plain")
+    for key in ("val_loss", "train_loss_epoch"):
+        assert len(piped[key]) == 2  # one value per epoch
+        assert piped[key] == plain_rows[key]
+
+
+def _epoch_metrics(log_dir: Path) -> dict[str, list[str]]:
+    with open(log_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return {key: [r[key] for r in rows if r.get(key)] for key in ("val_loss", "train_loss_epoch")}
+
+
+def test_killed_stage_ends_the_run_naming_it(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "k.ckpt"), "--devices", "3", "--window", "4",
+         "--kill-stage", "1", "--kill-step", "8"],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
+    assert "Pipeline stage 1 (rank 1) failed or exited" in proc.stderr
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "k.ckpt")], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_torchrun_launch(tmp_path: Path, plain: dict) -> None:
+    out = tmp_path / "tr.ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+         str(SCRIPT), "--out", str(out), "--devices", "2", "--window", "8"],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_state(plain, _state(out))
+
+
+def test_two_nodes_on_localhost(tmp_path: Path, plain: dict) -> None:
+    out = tmp_path / "nodes.ckpt"
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _free_port()}
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "1", "--num-nodes", "2",
+                          "--window", "8"], env={**_env(), **env, "NODE_RANK": str(node)}, cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)
+    ]
+    try:
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    assert_same_state(plain, _state(out))
