@@ -17,6 +17,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytorch_lightning as pl  # noqa: E402
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
 import lightning_naspipe as lnp  # noqa: E402
@@ -52,7 +53,13 @@ def main() -> None:
     pl.seed_everything(7, verbose=False)
     model = ToyNet()
     callbacks = [Killer(args.kill_stage, args.kill_step)] if args.kill_stage >= 0 else []
-    logging = {"logger": CSVLogger(args.log_dir, name="", version=""), "log_every_n_steps": 1} if args.log_dir else {}
+    logging: dict = {}
+    if args.log_dir:
+        # Monitoring callbacks must see the same val_loss on every rank (collective saves, stop votes).
+        callbacks += [ModelCheckpoint(dirpath=args.log_dir, monitor="val_loss", filename="best"),
+                      EarlyStopping(monitor="val_loss", patience=5)]
+        logging = {"logger": CSVLogger(args.log_dir, name="", version=""), "log_every_n_steps": 1,
+                   "enable_checkpointing": True}
     trainer = pl.Trainer(**trainer_kwargs(
         strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks), devices=args.devices,
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,

@@ -95,6 +95,8 @@ def test_logging_and_validation_match_plain_run(tmp_path: Path) -> None:
     for key in ("val_loss", "train_loss_epoch"):
         assert len(piped[key]) == 2  # one value per epoch
         assert piped[key] == plain_rows[key]
+    best = torch.load(tmp_path / "piped" / "best.ckpt", weights_only=False)  # ModelCheckpoint(monitor="val_loss")
+    assert best["callbacks"] and best["global_step"] in (12, 24)
 
 
 def _epoch_metrics(log_dir: Path) -> dict[str, list[str]]:
