@@ -18,7 +18,8 @@ from typing import Any, Protocol
 from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
-from lightning_naspipe.schedule import build_schedule
+from lightning_naspipe.offload import Offloader, WindowResidency
+from lightning_naspipe.schedule import FORWARD, build_schedule
 
 
 
@@ -36,6 +37,31 @@ class EngineModule(StageModule, Protocol):
     def optimizers(self) -> Any: ...
 
 
+#: Schedules the engine can run. All but ``"async"`` keep the exactness contract.
+SCHEDULES = ("csp", "one_in_flight", "gpipe", "async")
+_EVERYTHING = frozenset({"the whole stage"})
+
+
+def scheduling_resources(
+    mode: str, resources: Sequence[Sequence[frozenset[Any]]]
+) -> Sequence[Sequence[frozenset[Any]]]:
+    """The resources the scheduler sees for a schedule ``mode`` (baselines are CSP with other conflicts).
+
+    - ``"csp"``: the real ones; independent subnets overlap.
+    - ``"one_in_flight"`` / ``"gpipe"``: every subnet conflicts with every other on every stage, so one
+      subnet is in flight at a time (GPipe: its micro-batches still pipeline; use ``chunks > 1``).
+    - ``"async"``: no conflicts at all; subnets overlap regardless of shared parameters, so results
+      are NOT reproducible (for comparison only).
+    """
+    if mode == "csp":
+        return resources
+    if mode in ("one_in_flight", "gpipe"):
+        return [[_EVERYTHING] * len(stages) for stages in resources]
+    if mode == "async":
+        return [[frozenset()] * len(stages) for stages in resources]
+    raise ValueError(f"unknown schedule {mode!r}; choose one of {SCHEDULES}")
+
+
 class Engine:
     """Trains windows of subnets on one stage of the pipeline.
 
@@ -44,6 +70,8 @@ class Engine:
         stage: which of them this process runs.
         chunks: micro-batches per subnet.
         transport: moves tensors between stages; ``None`` with one stage.
+        schedule: one of :data:`SCHEDULES` (see :func:`scheduling_resources`).
+        offloader: keeps this stage's resources in host memory between uses (``offload=True``).
     """
 
     def __init__(
@@ -52,11 +80,17 @@ class Engine:
         stage: int = 0,
         chunks: int = 1,
         transport: Transport | None = None,
+        schedule: str = "csp",
+        offloader: Offloader | None = None,
     ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         self.stage_blocks = list(stage_blocks)
         self.stage = stage
         self.chunks = chunks
         self.transport = transport
+        self.schedule = schedule
+        self.offloader = offloader
 
     @property
     def blocks(self) -> range:
@@ -72,18 +106,28 @@ class Engine:
         supernet = module.supernet
         architectures = [supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
         resources = [[supernet.resources(blocks, arch) for blocks in self.stage_blocks] for arch in architectures]
-        schedule = build_schedule(resources, self.chunks)
+        schedule = build_schedule(scheduling_resources(self.schedule, resources), self.chunks)
         window = Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
         executor = StageExecutor(
             module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport
         )
 
+        actions = schedule.stages[self.stage]
+        residency = None
+        if self.offloader is not None:
+            order = [a.subnet for a in actions if a.kind == FORWARD and a.chunk == 0]
+            residency = WindowResidency(self.offloader, order, [r[self.stage] for r in resources])
+
         def update(k: int) -> None:
             self.update(module, window.first_index + k, architectures[k])
+            if residency is not None:
+                residency.after_update(k)
 
         if self.transport is not None:
             self.transport.begin_window(schedule)
-        executor.run(schedule.stages[self.stage], window, update)
+        executor.run(actions, window, update, residency.before_forward if residency else None)
+        if residency is not None:
+            residency.finish()
         if self.transport is not None:
             self.transport.end_window()
             window.losses = self.transport.share(window.losses)
@@ -95,7 +139,12 @@ class Engine:
         executor = StageExecutor(
             module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport
         )
+        keys = module.supernet.resources(self.blocks, architecture)
+        if self.offloader is not None:
+            self.offloader.acquire(keys)
         output = executor.forward_only(batch, architecture)
+        if self.offloader is not None:
+            self.offloader.release(keys)
         if self.transport is not None:
             self.transport.end_window()
             output = self.transport.share(output)
@@ -108,6 +157,8 @@ class Engine:
         params = module_parameters(supernet.resource_module(r) for r in sorted(resources))
         optimizer = module.optimizers()
         assert not isinstance(optimizer, list)
+        if self.offloader is not None:
+            self.offloader.note_gradients(params)
         with restrict_param_groups(optimizer.optimizer, params):
             optimizer.step()
         for p in params:

@@ -110,10 +110,14 @@ class StageExecutor:
         # (subnet, chunk) -> (stage inputs, stage outputs or the weighted loss), kept for backward.
         self._stash: dict[tuple[int, int], tuple[Any, Any]] = {}
 
-    def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None]) -> None:
-        """Run ``actions`` in order; ``update(k)`` steps the optimizer for window subnet ``k``."""
+    def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None],
+            first_forward: Callable[[int], None] | None = None) -> None:
+        """Run ``actions`` in order; ``update(k)`` steps the optimizer for window subnet ``k``;
+        ``first_forward(k)`` (if given) runs before subnet ``k``'s first forward on this stage."""
         for action in actions:
             if action.kind == FORWARD:
+                if first_forward is not None and action.chunk == 0:
+                    first_forward(action.subnet)
                 self._forward(window, action.subnet, action.chunk)
             elif action.kind == BACKWARD:
                 self._backward(window, action.subnet, action.chunk)

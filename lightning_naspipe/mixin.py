@@ -155,6 +155,9 @@ class NASPipeMixin:
         if trainer.max_steps >= 0:
             batches = batches[: max(0, trainer.max_steps - first)]
         window = engine.train_window(cast("EngineModule", self), batches, first)
+        if isinstance(trainer.strategy, NASPipeStrategy):
+            for name, value in trainer.strategy.offload_metrics().items():
+                module.log(name, value, on_step=True, on_epoch=False)
         return self._report(window, batches)
 
     def _report(self, window: Window, batches: list[Any]) -> Tensor | None:

@@ -30,7 +30,7 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.strategies.strategy import TBroadcast
 from pytorch_lightning.trainer.states import RunningStage
-from pytorch_lightning.utilities import rank_zero_only
+from pytorch_lightning.utilities import rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
@@ -38,9 +38,10 @@ from typing_extensions import override
 from lightning_naspipe.callback import NASPipeCallback, validate_run
 from lightning_naspipe.data import DataTracker, WindowLoader
 from lightning_naspipe.distributed import drop_foreign_state, gather_optimizer_state, sync_stage_weights
-from lightning_naspipe.engine import Engine
+from lightning_naspipe.engine import SCHEDULES, Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
+from lightning_naspipe.offload import Offloader
 from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
 from lightning_naspipe.transport import P2PTransport
 
@@ -64,6 +65,18 @@ class NASPipeStrategy(ParallelStrategy):
             which is the default.
         balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by the expected
             parameter count of one subnet per block (see :mod:`lightning_naspipe.partition`).
+        schedule: ``"csp"`` (NASPipe); or, for comparison, ``"one_in_flight"`` (one subnet in the
+            pipeline at a time, the research artifact's reproducible baseline), ``"gpipe"`` (the
+            same with micro-batches filling and draining the pipeline per subnet; use ``chunks > 1``),
+            or ``"async"`` (ignores parameter sharing between in-flight subnets: faster, but NOT
+            reproducible). All but ``"async"`` keep the exactness contract.
+        offload: keep each stage's blocks (parameters, buffers and the optimizer state of
+            candidates not in flight) in host memory — pinned on CUDA — and hold on the device only
+            what in-flight subnets use plus a small prefetch buffer filled along the known schedule.
+            Results are bitwise the same as without it. Turn it on when the supernet does not fit
+            on the devices; it costs host-device copies (mostly hidden by the prefetch).
+        offload_budget_bytes: with ``offload``, an optional cap on each stage's device-resident
+            bytes for prefetching and caching; a subnet whose stage alone exceeds it is an error.
         timeout: how long a stage waits for a neighbour or a collective before it declares
             that stage lost and fails the run.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device type.
@@ -84,6 +97,9 @@ class NASPipeStrategy(ParallelStrategy):
         chunks: int = 1,
         num_stages: int | None = None,
         balance: Sequence[int] | None = None,
+        schedule: str = "csp",
+        offload: bool = False,
+        offload_budget_bytes: int | None = None,
         timeout: timedelta = timedelta(minutes=3),
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -108,6 +124,16 @@ class NASPipeStrategy(ParallelStrategy):
         self.chunks = chunks
         self.num_stages = num_stages
         self.balance = list(balance) if balance is not None else None
+        if schedule not in SCHEDULES:
+            raise NASPipeConfigError(
+                f"NASPipeStrategy(schedule={schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}."
+            )
+        if schedule == "async":
+            rank_zero_warn("NASPipeStrategy(schedule='async') ignores parameter sharing between in-flight subnets: "
+                           "results are not reproducible. Use it only as a speed baseline.")
+        self.schedule = schedule
+        self.offload = offload
+        self.offload_budget_bytes = offload_budget_bytes
         self.timeout = timeout
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -207,12 +233,17 @@ class NASPipeStrategy(ParallelStrategy):
         transport = None
         if self.world_size > 1:
             transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout)
-        self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport)
+        self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
+                             schedule=self.schedule)
         if self.world_size > 1:
             supernet.local_blocks = self.engine.blocks
         super().setup(trainer)
         if self.optimizers:
             drop_foreign_state(self.optimizers[0], self._owned())
+        if self.offload:
+            optimizer = self.optimizers[0] if self.optimizers else None
+            self.engine.offloader = Offloader(supernet.stage_resources(self.engine.blocks), optimizer,
+                                              self.root_device, self.offload_budget_bytes)
 
     @override
     def model_to_device(self) -> None:
@@ -220,7 +251,10 @@ class NASPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         supernet = supernet_of(module)
-        own = set(self.engine.blocks if self.engine is not None else range(len(supernet)))
+        # With offload the stage's blocks stay in host memory; the offloader moves them on demand.
+        own: set[int] = set()
+        if not self.offload:
+            own = set(self.engine.blocks if self.engine is not None else range(len(supernet)))
         for i, block in enumerate(supernet.blocks):
             if i in own:
                 block.to(self.root_device)
@@ -265,6 +299,19 @@ class NASPipeStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         drop_foreign_state(self.optimizers[0], self._owned())
+        if self.engine is not None and self.engine.offloader is not None:
+            self.engine.offloader.rehost()
+
+    def offload_metrics(self) -> dict[str, float]:
+        """Every stage's offload accounting, keyed ``offload/<stat>_stage<k>`` (collective)."""
+        if self.engine is None or self.engine.offloader is None:
+            return {}
+        mine = self.engine.offloader.stats.as_metrics()
+        stages = [mine]
+        if self.world_size > 1:
+            stages = [{} for _ in range(self.world_size)]
+            dist.all_gather_object(stages, mine)
+        return {f"offload/{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
 
     # -- data -----------------------------------------------------------------------------------
 

@@ -177,6 +177,11 @@ class Supernet(nn.Module):
         found = (self.block_resource(i, architecture) for i in blocks)
         return frozenset(r for r in found if r is not None)
 
+    def stage_resources(self, blocks: range) -> dict[Resource, nn.Module]:
+        """Every resource in ``blocks`` (whatever the subnet) and its module."""
+        keys = {r for slot, r in self._resource_of.items() if slot[0] in blocks}
+        return {r: self.resource_module(r) for r in sorted(keys)}
+
     def resource_module(self, resource: Resource) -> nn.Module:
         """The module behind a resource key."""
         block, candidate = resource

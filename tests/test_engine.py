@@ -144,3 +144,27 @@ def test_copy_of_module_trains_identically() -> None:
         Engine([range(len(net))], chunks=2).train_window(module, batches(5), 100)
     for x, y in zip(a.supernet.parameters(), b.supernet.parameters()):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("schedule", ["one_in_flight", "gpipe"])
+def test_baseline_schedules_stay_exact(schedule: str) -> None:
+    data = batches(6)
+    ref_net, _, _ = reference_training(make_supernet(), data, 2)
+    module = FakeModule(make_supernet())
+    Engine([range(len(module.supernet))], chunks=2, schedule=schedule).train_window(module, data, 0)
+    for a, b in zip(ref_net.parameters(), module.supernet.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_scheduling_resources_per_mode() -> None:
+    from lightning_naspipe.engine import scheduling_resources
+    from lightning_naspipe.schedule import build_schedule
+
+    real = [[frozenset({1}), frozenset()], [frozenset({2}), frozenset({3})], [frozenset({1}), frozenset()]]
+    csp, one, free = (build_schedule(scheduling_resources(m, real), 1) for m in ("csp", "one_in_flight", "async"))
+    assert free.makespan <= csp.makespan < one.makespan
+    # One in flight: subnet k+1 starts on stage 0 only after subnet k's update there.
+    order = [str(a) for a in one.stages[0]]
+    assert order == ["F0.0", "B0.0", "U0", "F1.0", "B1.0", "U1", "F2.0", "B2.0", "U2"]
+    with pytest.raises(ValueError, match="unknown schedule"):
+        scheduling_resources("fast", real)

@@ -70,6 +70,10 @@ def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, wi
         assert all(torch.equal(weights[k], plain["model"][k]) for k in plain["model"])
 
 
+def test_offload_on_two_stages_equals_plain_trainer(tmp_path: Path, plain: dict) -> None:
+    assert_same_state(plain, _state(_launch(tmp_path, "--devices", "2", "--window", "8", "--offload")))
+
+
 def test_chunks_equal_across_stage_counts(tmp_path: Path) -> None:
     one_stage = _plain_state(tmp_path, strategy=lnp.NASPipeStrategy(window=8, chunks=2), max_epochs=2)
     assert_same_state(one_stage, _state(_launch(tmp_path, "--devices", "2", "--window", "8", "--chunks", "2")))

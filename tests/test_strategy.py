@@ -97,3 +97,11 @@ def test_validation_runs_the_evaluation_subnets() -> None:
     batch = next(iter(toy_loader(samples=16, shuffle=False)))
     model.eval()
     assert torch.equal(model.subnet_output(batch, architecture), model.supernet(batch[0], architecture))
+
+
+def test_offload_equals_plain_and_reports_memory(reference: dict) -> None:
+    model, trainer = train(lnp.NASPipeStrategy(window=4, offload=True), max_epochs=2)
+    assert_same_state(reference, full_state(model, trainer))
+    metrics = trainer.callback_metrics
+    assert 0 < metrics["offload/peak_device_bytes_stage0"] <= metrics["offload/partition_bytes_stage0"] * 2
+    assert metrics["offload/device_bytes_stage0"] == 0  # all back in host memory between windows
