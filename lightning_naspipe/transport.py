@@ -29,6 +29,8 @@ _DTYPES = [
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+# Header slots sent in one message: [length, is_tuple, count, (dtype, ndim, *shape) per tensor].
+HEADER_SLOTS = 24
 
 
 class StageFailure(RuntimeError):
@@ -99,12 +101,16 @@ class P2PTransport:
         header = [int(is_tuple), len(tensors)]
         for t in tensors:
             header += [_CODE[t.dtype], t.dim(), *t.shape]
+        header = [len(header) + 1, *header]
         wire = self._wire_device()
-        size = torch.tensor([len(header)], dtype=torch.int64, device=wire)
-        header_tensor = torch.tensor(header, dtype=torch.int64, device=wire)
-        payload = [t.detach().to(self.device).contiguous() for t in tensors]
+        # One fixed-size header message covers common values; a longer header sends its tail next.
+        padded = header + [0] * (HEADER_SLOTS - len(header))
+        messages = [torch.tensor(padded[:HEADER_SLOTS], dtype=torch.int64, device=wire)]
+        if len(header) > HEADER_SLOTS:
+            messages.append(torch.tensor(header[HEADER_SLOTS:], dtype=torch.int64, device=wire))
+        messages += [t.detach().to(self.device).contiguous() for t in tensors]
         dst = self.ranks[stage]
-        for t in (size, header_tensor, *payload):
+        for t in messages:
             # The tensor is kept alive until end_window: the send reads it asynchronously.
             self._pending.append((dist.isend(t, dst), [t]))
 
@@ -119,12 +125,14 @@ class P2PTransport:
 
     def _recv(self, stage: int, requires_grad: bool) -> Any:
         src = self.ranks[stage]
-        size = torch.empty(1, dtype=torch.int64, device=self._wire_device())
-        self._recv_into(size, src, stage)
-        header_tensor = torch.empty(int(size.item()), dtype=torch.int64, device=self._wire_device())
-        self._recv_into(header_tensor, src, stage)
-        header = header_tensor.tolist()
-        is_tuple, count, pos = bool(header[0]), header[1], 2
+        head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
+        self._recv_into(head, src, stage)
+        header = head.tolist()
+        if header[0] > HEADER_SLOTS:
+            tail = torch.empty(header[0] - HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
+            self._recv_into(tail, src, stage)
+            header += tail.tolist()
+        is_tuple, count, pos = bool(header[1]), header[2], 3
         tensors = []
         for _ in range(count):
             dtype, ndim = _DTYPES[header[pos]], header[pos + 1]

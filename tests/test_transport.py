@@ -21,6 +21,7 @@ VALUES = [
     (torch.ones(2, 1, 4, dtype=torch.float64), torch.tensor([1, 2], dtype=torch.int64), torch.tensor(True)),
     (torch.zeros(0, 5, dtype=torch.bfloat16),),
     torch.full((3,), 7, dtype=torch.uint8),
+    tuple(torch.full((1, 2, 1, 2), float(i)) for i in range(8)),  # a header longer than one message
 ]
 
 
