@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
-from lightning_naspipe.offload import Offloader, WindowResidency
+from lightning_naspipe.offload import Offloader, WindowResidency, memory_conflicts
 from lightning_naspipe.schedule import FORWARD, build_schedule
 
 
@@ -72,6 +72,8 @@ class Engine:
         transport: moves tensors between stages; ``None`` with one stage.
         schedule: one of :data:`SCHEDULES` (see :func:`scheduling_resources`).
         offloader: keeps this stage's resources in host memory between uses (``offload=True``).
+        memory_budget: ``(bytes, per-stage resource sizes)``: schedule so that each stage's in-flight
+            resources fit (see :func:`~.offload.memory_conflicts`); the same on every stage process.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Engine:
         transport: Transport | None = None,
         schedule: str = "csp",
         offloader: Offloader | None = None,
+        memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -91,6 +94,7 @@ class Engine:
         self.transport = transport
         self.schedule = schedule
         self.offloader = offloader
+        self.memory_budget = memory_budget
 
     @property
     def blocks(self) -> range:
@@ -106,7 +110,12 @@ class Engine:
         supernet = module.supernet
         architectures = [supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
         resources = [[supernet.resources(blocks, arch) for blocks in self.stage_blocks] for arch in architectures]
-        schedule = build_schedule(scheduling_resources(self.schedule, resources), self.chunks)
+        planned = scheduling_resources(self.schedule, resources)
+        if self.memory_budget is not None:
+            budget, sizes = self.memory_budget
+            by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
+            planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
+        schedule = build_schedule(planned, self.chunks)
         window = Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
         executor = StageExecutor(
             module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport

@@ -16,6 +16,7 @@ its accounting run (and are tested) exactly as on a GPU, only the copies are pla
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,10 +69,13 @@ class Offloader:
         device: the compute device; on CPU a separate pool of tensors stands in for it.
         budget_bytes: optional cap on device-resident bytes; prefetching and caching stay
             under it, and a subnet that cannot fit alone is an error.
+        reserve: bytes to budget per resource while resident (default: :func:`estimated_bytes`,
+            which counts gradients and optimizer state before they exist).
     """
 
     def __init__(self, modules: Mapping[Any, torch.nn.Module], optimizer: Optimizer | None,
-                 device: torch.device, budget_bytes: int | None = None) -> None:
+                 device: torch.device, budget_bytes: int | None = None,
+                 reserve: Mapping[Any, int] | None = None) -> None:
         self.device = device
         self.optimizer = optimizer
         self.budget = budget_bytes
@@ -87,6 +91,8 @@ class Offloader:
                                           if b is not None])
             self._resources[key] = resource
             self._to_host(resource)
+        self._reserve = dict(reserve) if reserve is not None else {
+            key: estimated_bytes(module, optimizer) for key, module in modules.items()}
         # Bytes of each resource (parameters, buffers, optimizer state), wherever it lives.
         self._size = {key: self._bytes(key) for key in self._resources}
         self.stats.partition_bytes = sum(self._size.values())
@@ -98,16 +104,16 @@ class Offloader:
         for key in keys:
             if key in self._resident or key not in self._resources:
                 continue
-            if self.budget is not None and self.stats.device_bytes + self._size[key] > self.budget:
-                self._evict_idle(self._size[key])
-                if self.stats.device_bytes + self._size[key] > self.budget:
+            if self.budget is not None and self._reserved() + self._reserve[key] > self.budget:
+                self._evict_idle(self._reserve[key])
+                if self._reserved() + self._reserve[key] > self.budget:
                     return
             self._start_copy(key)
 
     def acquire(self, keys: Iterable[Hashable]) -> None:
         """Make ``keys`` resident (waiting for their prefetch) and pin them until :meth:`release`."""
         keys = [k for k in keys if k in self._resources]
-        needed = sum(self._size[k] for k in keys)
+        needed = sum(self._reserve[k] for k in keys)
         if self.budget is not None and needed > self.budget:
             raise NASPipeConfigError(
                 f"One subnet needs {needed} bytes of parameters and optimizer state on this stage, more than "
@@ -119,7 +125,7 @@ class Offloader:
             else:
                 self.stats.prefetch_misses += 1
                 if self.budget is not None:
-                    self._evict_idle(self._size[key])
+                    self._evict_idle(self._reserve[key])
                 self._start_copy(key)
             self._wait(key)
             self._resident[key].users += 1
@@ -262,9 +268,12 @@ class Offloader:
 
     def _evict_idle(self, room: int) -> None:
         for key in [k for k, r in self._resident.items() if r.users == 0]:
-            if self.budget is None or self.stats.device_bytes + room <= self.budget:
+            if self.budget is None or self._reserved() + room <= self.budget:
                 return
             self._evict(key)
+
+    def _reserved(self) -> int:
+        return sum(self._reserve[k] for k in self._resident)
 
 
 def _nbytes(tensors: Iterable[Tensor]) -> int:
@@ -274,6 +283,61 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
 def _copy_all(targets: list[Tensor], sources: list[Tensor]) -> None:
     for dst, src in zip(targets, sources):
         dst.copy_(src)
+
+
+def estimated_bytes(module: torch.nn.Module, optimizer: Optimizer | None) -> int:
+    """Device bytes a resource needs while in flight: parameters, their gradients and optimizer
+    state, and buffers. Computed from shapes only, so every stage process gets the same number."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    return params * (2 + optimizer_state_factor(optimizer)) + buffers
+
+
+def optimizer_state_factor(optimizer: Optimizer | None) -> int:
+    """How many parameter-sized state tensors ``optimizer`` keeps per parameter (Adam: 2)."""
+    if optimizer is None:
+        return 0
+    probe = torch.nn.Parameter(torch.zeros(3))
+    probe.grad = torch.ones(3)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    try:
+        twin = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        twin.step()
+    except Exception:  # an optimizer we cannot probe: assume Adam-like state
+        return 2
+    return sum(1 for v in twin.state[probe].values() if isinstance(v, Tensor) and v.shape == probe.shape)
+
+
+def memory_conflicts(resources: Sequence[frozenset[Hashable]], sizes: Mapping[Hashable, int],
+                     budget: int) -> list[frozenset[Hashable]]:
+    """Resources with extra conflicts so that what is in flight on a stage fits ``budget``.
+
+    Subnet ``i`` may start only when the union of the resources of every not-yet-updated subnet
+    ``j..i`` fits. Updates run in subnet order, so that means waiting for ``U(j-1)``: expressed as a
+    resource shared by ``j-1`` and ``i``, the CSP rule enforces it. The oldest unfinished subnet
+    always fits alone, so this cannot deadlock.
+
+    Raises:
+        NASPipeConfigError: a single subnet's resources on the stage exceed the budget.
+    """
+    out = [set(r) for r in resources]
+    for i, own in enumerate(resources):
+        alone = sum(sizes.get(k, 0) for k in own)
+        if alone > budget:
+            raise NASPipeConfigError(
+                f"One subnet needs about {alone} bytes of parameters, gradients and optimizer state on a stage, "
+                f"more than offload_budget_bytes={budget}. Raise the budget or use more pipeline stages."
+            )
+        union: set[Hashable] = set(own)
+        j = i
+        while j > 0 and sum(sizes.get(k, 0) for k in union | resources[j - 1]) <= budget:
+            j -= 1
+            union |= resources[j]
+        if j > 0:
+            token = ("memory", i)
+            out[j - 1].add(token)
+            out[i].add(token)
+    return [frozenset(r) for r in out]
 
 
 class WindowResidency:

@@ -41,7 +41,7 @@ from lightning_naspipe.distributed import drop_foreign_state, gather_optimizer_s
 from lightning_naspipe.engine import SCHEDULES, Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
-from lightning_naspipe.offload import Offloader
+from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
 from lightning_naspipe.transport import P2PTransport
 
@@ -242,8 +242,13 @@ class NASPipeStrategy(ParallelStrategy):
             drop_foreign_state(self.optimizers[0], self._owned())
         if self.offload:
             optimizer = self.optimizers[0] if self.optimizers else None
+            # Every stage process computes every stage's sizes from shapes alone: same schedule everywhere.
+            sizes = [{key: estimated_bytes(module, optimizer) for key, module in supernet.stage_resources(b).items()}
+                     for b in self.stage_ranges]
             self.engine.offloader = Offloader(supernet.stage_resources(self.engine.blocks), optimizer,
-                                              self.root_device, self.offload_budget_bytes)
+                                              self.root_device, self.offload_budget_bytes, sizes[self.stage])
+            if self.offload_budget_bytes is not None:
+                self.engine.memory_budget = (self.offload_budget_bytes, sizes)
 
     @override
     def model_to_device(self) -> None:
