@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[clock])
     trainer.fit(AdamWideSpace(args.candidates, args.blocks, args.width), data)
-    metrics = strategy.offload_metrics()
+    metrics = strategy.stage_metrics()
     if trainer.global_rank == 0:
         with open(args.out, "w") as f:
             json.dump({"subnets_per_s": clock.subnets / clock.elapsed, "metrics": metrics}, f)

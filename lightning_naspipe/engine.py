@@ -20,6 +20,7 @@ from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.offload import Offloader, WindowResidency, memory_conflicts
 from lightning_naspipe.schedule import FORWARD, build_schedule
+from lightning_naspipe.telemetry import StageTelemetry
 
 
 
@@ -74,6 +75,7 @@ class Engine:
         offloader: keeps this stage's resources in host memory between uses (``offload=True``).
         memory_budget: ``(bytes, per-stage resource sizes)``: schedule so that each stage's in-flight
             resources fit (see :func:`~.offload.memory_conflicts`); the same on every stage process.
+        telemetry: records this stage's timeline (busy, waiting, drain, in-flight depth).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Engine:
         schedule: str = "csp",
         offloader: Offloader | None = None,
         memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None,
+        telemetry: StageTelemetry | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -95,6 +98,9 @@ class Engine:
         self.schedule = schedule
         self.offloader = offloader
         self.memory_budget = memory_budget
+        self.telemetry = telemetry
+        if transport is not None and hasattr(transport, "telemetry"):
+            transport.telemetry = telemetry
 
     @property
     def blocks(self) -> range:
@@ -118,8 +124,11 @@ class Engine:
         schedule = build_schedule(planned, self.chunks)
         window = Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
         executor = StageExecutor(
-            module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport
+            module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport,
+            self.telemetry,
         )
+        if self.telemetry is not None:
+            self.telemetry.begin_window()
 
         actions = schedule.stages[self.stage]
         residency = None
@@ -140,6 +149,8 @@ class Engine:
         if self.transport is not None:
             self.transport.end_window()
             window.losses = self.transport.share(window.losses)
+        if self.telemetry is not None:
+            self.telemetry.end_window()
         return window
 
     def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:

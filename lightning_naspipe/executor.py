@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+import time
 from typing import Any, Protocol
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor
 from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.supernet import Architecture, Supernet
+from lightning_naspipe.telemetry import StageTelemetry
 
 
 # Randomness key of evaluation forwards: apart from every training subnet's (indices are >= 0).
@@ -87,6 +89,7 @@ class StageExecutor:
         blocks: the global indices of the supernet blocks this stage runs.
         seed: the run's seed, keying each block's randomness.
         transport: how tensors reach neighbouring stages; unused with one stage.
+        telemetry: records the actions' timeline, if given.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class StageExecutor:
         blocks: range,
         seed: int,
         transport: Transport | None = None,
+        telemetry: StageTelemetry | None = None,
     ) -> None:
         if num_stages > 1 and transport is None:
             raise ValueError("a multi-stage executor needs a transport")
@@ -105,6 +109,7 @@ class StageExecutor:
         self.blocks = blocks
         self.seed = seed
         self.transport = transport
+        self.telemetry = telemetry
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         # (subnet, chunk) -> (stage inputs, stage outputs or the weighted loss), kept for backward.
@@ -115,6 +120,9 @@ class StageExecutor:
         """Run ``actions`` in order; ``update(k)`` steps the optimizer for window subnet ``k``;
         ``first_forward(k)`` (if given) runs before subnet ``k``'s first forward on this stage."""
         for action in actions:
+            if self.telemetry is not None:
+                self.telemetry.start_action()
+                start = time.perf_counter()
             if action.kind == FORWARD:
                 if first_forward is not None and action.chunk == 0:
                     first_forward(action.subnet)
@@ -125,6 +133,8 @@ class StageExecutor:
                 update(action.subnet)
             else:  # pragma: no cover - the scheduler only emits the three kinds
                 raise ValueError(f"unknown action {action}")
+            if self.telemetry is not None:
+                self.telemetry.action(str(action), action.kind, action.subnet, start, time.perf_counter())
 
     def forward_only(self, batch: Any, architecture: Architecture) -> Any:
         """This stage's part of an evaluation forward; the output on the last stage, else ``None``."""

@@ -156,7 +156,7 @@ class NASPipeMixin:
             batches = batches[: max(0, trainer.max_steps - first)]
         window = engine.train_window(cast("EngineModule", self), batches, first)
         if isinstance(trainer.strategy, NASPipeStrategy):
-            for name, value in trainer.strategy.offload_metrics().items():
+            for name, value in trainer.strategy.stage_metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)
         return self._report(window, batches)
 

@@ -42,6 +42,7 @@ from lightning_naspipe.engine import SCHEDULES, Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
+from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
 from lightning_naspipe.transport import P2PTransport
 
@@ -77,6 +78,11 @@ class NASPipeStrategy(ParallelStrategy):
             on the devices; it costs host-device copies (mostly hidden by the prefetch).
         offload_budget_bytes: with ``offload``, an optional cap on each stage's device-resident
             bytes for prefetching and caching; a subnet whose stage alone exceeds it is an error.
+        telemetry: log each stage's busy, waiting and drain time and in-flight depth
+            (``telemetry/<stat>_stage<k>``) through the Trainer's loggers.
+        trace_dir: also keep every action's interval and, when ``fit`` ends, write
+            ``naspipe_trace.json`` (Chrome trace; open in Perfetto) and, if matplotlib is installed,
+            ``naspipe_timeline.png`` to this folder (implies ``telemetry``).
         timeout: how long a stage waits for a neighbour or a collective before it declares
             that stage lost and fails the run.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device type.
@@ -100,6 +106,8 @@ class NASPipeStrategy(ParallelStrategy):
         schedule: str = "csp",
         offload: bool = False,
         offload_budget_bytes: int | None = None,
+        telemetry: bool = False,
+        trace_dir: str | None = None,
         timeout: timedelta = timedelta(minutes=3),
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -134,6 +142,8 @@ class NASPipeStrategy(ParallelStrategy):
         self.schedule = schedule
         self.offload = offload
         self.offload_budget_bytes = offload_budget_bytes
+        self.telemetry = telemetry or trace_dir is not None
+        self.trace_dir = trace_dir
         self.timeout = timeout
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -233,8 +243,9 @@ class NASPipeStrategy(ParallelStrategy):
         transport = None
         if self.world_size > 1:
             transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout)
+        telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
-                             schedule=self.schedule)
+                             schedule=self.schedule, telemetry=telemetry)
         if self.world_size > 1:
             supernet.local_blocks = self.engine.blocks
         super().setup(trainer)
@@ -283,6 +294,8 @@ class NASPipeStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        if self.trace_dir is not None:
+            self._write_trace()
         self.sync_weights()
         supernet_of(self.lightning_module).local_blocks = None  # whole again
 
@@ -307,16 +320,31 @@ class NASPipeStrategy(ParallelStrategy):
         if self.engine is not None and self.engine.offloader is not None:
             self.engine.offloader.rehost()
 
-    def offload_metrics(self) -> dict[str, float]:
-        """Every stage's offload accounting, keyed ``offload/<stat>_stage<k>`` (collective)."""
-        if self.engine is None or self.engine.offloader is None:
+    def stage_metrics(self) -> dict[str, float]:
+        """Every stage's offload accounting and telemetry, keyed ``offload/<stat>_stage<k>`` and
+        ``telemetry/<stat>_stage<k>``; the same on every rank (collective when there is any)."""
+        if self.engine is None or (self.engine.offloader is None and self.engine.telemetry is None):
             return {}
-        mine = self.engine.offloader.stats.as_metrics()
-        stages = [mine]
-        if self.world_size > 1:
-            stages = [{} for _ in range(self.world_size)]
-            dist.all_gather_object(stages, mine)
-        return {f"offload/{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
+        mine = {}
+        if self.engine.offloader is not None:
+            mine.update({f"offload/{k}": v for k, v in self.engine.offloader.stats.as_metrics().items()})
+        if self.engine.telemetry is not None:
+            mine.update({f"telemetry/{k}": v for k, v in self.engine.telemetry.metrics().items()})
+        stages = self._gather(mine)
+        return {f"{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, obj)
+        return parts
+
+    def _write_trace(self) -> None:
+        assert self.engine is not None and self.engine.telemetry is not None and self.trace_dir is not None
+        events = [e for part in self._gather(self.engine.telemetry.chrome_events()) for e in part]
+        if self.is_global_zero:
+            write_trace_files(self.trace_dir, events)
 
     # -- data -----------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ dtypes, shapes) goes first so the receiver can allocate.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -53,6 +54,8 @@ class P2PTransport:
         self.device = device
         self.timeout = timeout
         self._pending: list[tuple[Any, list[Tensor]]] = []
+        #: Receives block here; set by the engine to attribute that time (``StageTelemetry``).
+        self.telemetry: Any = None
         # Per incoming link: the (subnet, chunk) sequence still to arrive, and early arrivals.
         self._expected: dict[str, list[tuple[int, int]]] = {"forward": [], "backward": []}
         self._buffer: dict[str, dict[tuple[int, int], Any]] = {"forward": {}, "backward": {}}
@@ -150,7 +153,11 @@ class P2PTransport:
             work = dist.irecv(tensor, src)
         except RuntimeError as error:
             raise _lost(stage, src, error) from error
+        start = time.perf_counter()
         self._wait(work, f"receive from stage {stage} (rank {src})", stage=stage, rank=src)
+        if self.telemetry is not None:
+            end = time.perf_counter()
+            self.telemetry.waited(end - start, end)
 
     def _wait(self, work: Any, what: str, stage: int | None = None, rank: int | None = None) -> None:
         try:
