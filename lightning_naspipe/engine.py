@@ -148,7 +148,7 @@ class Engine:
             residency.finish()
         if self.transport is not None:
             self.transport.end_window()
-            window.losses = self.transport.share(window.losses)
+            window.losses = list(self.transport.share_losses(window.losses))
         if self.telemetry is not None:
             self.telemetry.end_window()
         return window

@@ -86,9 +86,25 @@ class P2PTransport:
         return self._recv_for("backward", self.stage + 1, (subnet, chunk), requires_grad=False)
 
     def share(self, value: Any) -> Any:
-        """The last stage's ``value`` (e.g. the window's losses) on every stage."""
+        """The last stage's ``value`` (e.g. an evaluation output) on every stage."""
         last = len(self.ranks) - 1
         return broadcast_object(value if self.stage == last else None, self.ranks[last], self.device)
+
+    def share_losses(self, losses: Sequence[Tensor | None]) -> list[Tensor]:
+        """The last stage's scalar losses on every stage, bit for bit.
+
+        One tensor broadcast instead of pickling: ``[dtype code, loss0, loss1, ...]`` in float64,
+        which holds float32, float16 and bfloat16 values exactly.
+        """
+        last = len(self.ranks) - 1
+        packed = torch.zeros(len(losses) + 1, dtype=torch.float64, device=self._wire_device())
+        if self.stage == last:
+            values = [loss for loss in losses if loss is not None]
+            packed[0] = _CODE[values[0].dtype] if values else 0
+            packed[1:] = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values]).to(packed.device)
+        dist.broadcast(packed, src=self.ranks[last])
+        dtype = _DTYPES[int(packed[0].item())]
+        return [v.to(dtype).to(self.device) for v in packed[1:]]
 
     def send_value(self, stage: int, value: Any) -> None:
         """Send outside a window's schedule (evaluation); the peer must call :meth:`recv_value`."""
