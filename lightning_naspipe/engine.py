@@ -19,7 +19,7 @@ from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Wi
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.offload import Offloader, WindowResidency, memory_conflicts
-from lightning_naspipe.schedule import FORWARD, build_schedule
+from lightning_naspipe.schedule import FORWARD, UPDATE, build_schedule
 from lightning_naspipe.telemetry import StageTelemetry
 
 
@@ -51,8 +51,9 @@ def scheduling_resources(
     - ``"csp"``: the real ones; independent subnets overlap.
     - ``"one_in_flight"`` / ``"gpipe"``: every subnet conflicts with every other on every stage, so one
       subnet is in flight at a time (GPipe: its micro-batches still pipeline; use ``chunks > 1``).
-    - ``"async"``: no conflicts at all; subnets overlap regardless of shared parameters, so results
-      are NOT reproducible (for comparison only).
+    - ``"async"``: no conflicts at all; subnets overlap regardless of shared parameters and all
+      updates wait for the window's end (stale weights within a window, gradients of shared
+      parameters mixed), so results are NOT reproducible (for comparison only).
     """
     if mode == "csp":
         return resources
@@ -130,7 +131,12 @@ class Engine:
         if self.telemetry is not None:
             self.telemetry.begin_window()
 
-        actions = schedule.stages[self.stage]
+        actions = list(schedule.stages[self.stage])
+        if self.schedule == "async":
+            # Updates after the window's last backward: with conflicts ignored, an update in the middle
+            # would change weights that other in-flight subnets saved for their backward. Updates send
+            # nothing, so moving them keeps every link's message order.
+            actions = [a for a in actions if a.kind != UPDATE] + [a for a in actions if a.kind == UPDATE]
         residency = None
         if self.offloader is not None:
             order = [a.subnet for a in actions if a.kind == FORWARD and a.chunk == 0]

@@ -9,6 +9,7 @@ param groups to ``i``'s parameters. The sequential path runs the very same funct
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -21,16 +22,52 @@ from lightning_naspipe.errors import NASPipeConfigError
 
 @contextlib.contextmanager
 def restrict_param_groups(optimizer: Optimizer, params: Iterable[Tensor]) -> Iterator[None]:
-    """Within the body, ``optimizer``'s param groups hold only ``params`` (in group order)."""
-    keep = {id(p) for p in params}
+    """Within the body, ``optimizer``'s param groups hold only ``params`` (in group order).
+
+    Costs O(len(params)), not O(all parameters): supernets have many candidates per subnet used.
+    """
     saved = [group["params"] for group in optimizer.param_groups]
+    params = list(params)
+    restricted = _locate(params, saved, _positions(optimizer, saved))
+    if restricted is None:  # a parameter moved or is new: the groups were edited, index them again
+        _POSITIONS.pop(optimizer, None)
+        restricted = _locate(params, saved, _positions(optimizer, saved)) or [[] for _ in saved]
     try:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in keep]
+        for group, chosen in zip(optimizer.param_groups, restricted):
+            group["params"] = [p for _, p in sorted(chosen, key=lambda item: item[0])]
         yield
     finally:
         for group, group_params in zip(optimizer.param_groups, saved):
             group["params"] = group_params
+
+
+def _locate(params: list[Tensor], groups: list[list[Tensor]],
+            position: dict[int, tuple[int, int]]) -> list[list[tuple[int, Tensor]]] | None:
+    """Per group, ``(index, param)`` of ``params``; ``None`` if the index table is stale."""
+    found: list[list[tuple[int, Tensor]]] = [[] for _ in groups]
+    for p in params:
+        where = position.get(id(p))
+        if where is None or groups[where[0]][where[1]] is not p:
+            if any(p is q for group in groups for q in group):
+                return None
+            continue  # not in this optimizer (e.g. frozen): nothing to step
+        found[where[0]].append((where[1], p))
+    return found
+
+
+_POSITIONS: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], dict[int, tuple[int, int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _positions(optimizer: Optimizer, groups: list[list[Tensor]]) -> dict[int, tuple[int, int]]:
+    """``id(param) -> (group, index)``, cached per optimizer while its groups keep their sizes."""
+    shape = tuple(len(g) for g in groups)
+    cached = _POSITIONS.get(optimizer)
+    if cached is None or cached[0] != shape:
+        table = {id(p): (g, i) for g, group in enumerate(groups) for i, p in enumerate(group)}
+        cached = _POSITIONS[optimizer] = (shape, table)
+    return cached[1]
 
 
 def module_parameters(modules: Iterable[nn.Module]) -> list[Tensor]:

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--kill-stage", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--schedule", default="csp")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
     args = parser.parse_args()
 
@@ -62,7 +63,8 @@ def main() -> None:
         logging = {"logger": CSVLogger(args.log_dir, name="", version=""), "log_every_n_steps": 1,
                    "enable_checkpointing": True}
     trainer = pl.Trainer(**trainer_kwargs(
-        strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload), devices=args.devices,
+        strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload,
+                                    schedule=args.schedule), devices=args.devices,
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,
         **logging,
     ))

@@ -54,3 +54,13 @@ def test_plateau_scheduler_needs_epoch_interval_and_a_logged_metric() -> None:
     with pytest.raises(lnp.NASPipeConfigError, match="val_loss"):
         step_schedulers([_config(plateau, "epoch", monitor="val_loss")], "epoch", 1, {})
     step_schedulers([_config(plateau, "epoch", monitor="val_loss")], "epoch", 1, {"val_loss": torch.tensor(1.0)})
+
+
+def test_restriction_follows_edited_param_groups() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(a.parameters(), lr=1.0)
+    with restrict_param_groups(optimizer, a.parameters()):
+        pass
+    optimizer.param_groups[0]["params"] = list(b.parameters())  # same sizes, other tensors
+    with restrict_param_groups(optimizer, b.parameters()):
+        assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in b.parameters()]
