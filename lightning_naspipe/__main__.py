@@ -1,0 +1,76 @@
+"""Command line: ``python -m lightning_naspipe <command> ...``.
+
+Commands:
+    plan: predict throughput, bubbles, stall causes and in-flight depth for several stage counts
+        from a space spec (``SpaceSpec.to_json``) or a synthetic wide space (``--wide C``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from lightning_naspipe.planner import SCHEDULES, SpaceSpec, plan, table, wide_spec
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if (args.spec is None) == (args.wide is None):
+        print("plan: give exactly one of --spec FILE or --wide CANDIDATES", file=sys.stderr)
+        return 2
+    if args.spec is not None:
+        with open(args.spec) as f:
+            spec = SpaceSpec.from_json(f.read())
+    else:
+        spec = wide_spec(args.wide, args.blocks, args.block_ms)
+    predictions = plan(spec, args.stages, args.window, args.chunks, args.schedule, subnets=args.subnets,
+                       seed=args.seed, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps([p.to_dict() for p in predictions], indent=1))
+        return 0
+    skipped = [s for s in args.stages if s > len(spec.blocks)]
+    space = f"{len(spec.blocks)} blocks, {len(spec.labels())} choices" if args.spec else (
+        f"wide: {args.blocks} choice blocks x {args.wide} candidates, {args.block_ms} ms forward per block")
+    print(f"space: {space}; window {args.window}, chunks {args.chunks}, schedule {args.schedule}, "
+          f"{predictions[0].subnets if predictions else 0} subnets simulated")
+    print(table(predictions))
+    if skipped:
+        print(f"skipped stage counts {skipped}: more stages than the space's {len(spec.blocks)} blocks")
+    print("bubble: idle share of stage time, split by cause: depen(dency) = a forward held for an earlier subnet's "
+          "update (CSP); data = waiting for a neighbour's activation or gradient (fill/drain); commu(nication) = one "
+          "in flight; order = work ready but later in the engine's fixed order; overh(ead) = fixed per-window costs")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_naspipe", description="NASPipe tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("plan", help="predict pipeline throughput for several stage counts",
+                            description="Simulate the CSP schedule on a space's costs (see docs/planner.md).")
+    p.add_argument("--spec", help="a SpaceSpec JSON file (lightning_naspipe.profile.profile_supernet(...).to_json())")
+    p.add_argument("--wide", type=int, metavar="C", help="instead of --spec: choice blocks of C equal candidates")
+    p.add_argument("--blocks", type=int, default=8, help="with --wide: the number of choice blocks (default 8)")
+    p.add_argument("--block-ms", type=float, default=1.0,
+                   help="with --wide: forward ms per block (backward is twice that; default 1.0)")
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--window", type=int, default=16, help="subnets per window (default 16)")
+    p.add_argument("--chunks", type=int, default=1, help="micro-batches per subnet (default 1)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="csp")
+    p.add_argument("--subnets", type=int, default=None, help="subnets to simulate (default 64, whole windows)")
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per subnet, for samples/s")
+    p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    p.set_defaults(run=_plan)
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except (ValueError, OSError) as error:
+        print(f"{args.command}: {error}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

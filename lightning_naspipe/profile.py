@@ -1,0 +1,358 @@
+"""A short profile of a supernet's blocks: the :class:`~.planner.SpaceSpec` the planner predicts from.
+
+Every candidate of every block is timed forward and backward (CPU wall time by default, after a
+warm-up round) while training paths through the supernet that cycle through the candidates, so
+inputs have the right shapes and caches are as cold as in training. The optimizer step is timed
+as the engine runs it, and the engine's own per-action overhead on a stand-in of 1x1 ops. It runs
+on a copy of the supernet inside a forked RNG: the user's weights, gradients, buffers and the global
+RNG are left untouched. :func:`lightning_overheads` and :func:`pipeline_overheads` measure the costs
+that depend on the run rather than the space (Lightning's loop, the transport, shared cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_naspipe.engine import Engine
+from lightning_naspipe.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.planner import BlockSpec, CandidateSpec, SpaceSpec
+from lightning_naspipe.sampling import keyed_rng, uniform_architecture
+from lightning_naspipe.supernet import ChoiceBlock, Supernet
+
+__all__ = ["lightning_overheads", "pipeline_overheads", "profile_supernet"]
+
+OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+def _default_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+
+def profile_supernet(supernet: Supernet, sample_input: Any, repeats: int = 3,
+                     optimizer: OptimizerFactory = _default_optimizer, clock: Callable[[], float] = time.perf_counter,
+                     **overheads: float) -> SpaceSpec:
+    """Time each block's candidates, the optimizer update and the engine's own overhead.
+
+    Args:
+        supernet: the search space (not modified).
+        sample_input: what the first block receives for one subnet batch (``pipeline_input(batch)``);
+            costs scale with its size, so use the training batch size (per chunk costs are derived).
+        repeats: timed runs per candidate after one warm-up round; the median is kept.
+        optimizer: builds the training optimizer over a list of parameters (default SGD with momentum);
+            its step over a subnet's parameters, as the engine runs it, gives ``update_ms`` per resource.
+        clock: seconds now; wall time by default. On a machine shared with other jobs,
+            ``time.thread_time`` (this thread's CPU time) is steadier (one intra-op thread only).
+        **overheads: other :class:`SpaceSpec` fields (``message_ms``, ``step_overhead_ms``, ...), which
+            depend on the run, not the space; ``action_overhead_ms`` defaults to the engine's, measured.
+
+    Returns:
+        The space's :class:`SpaceSpec`, blocks and labels as in ``supernet``.
+    """
+    with torch.random.fork_rng(devices=[]):
+        blocks, update_ms = _profile_blocks(copy.deepcopy(supernet), sample_input, optimizer, repeats, clock)
+        if "action_overhead_ms" not in overheads:
+            overheads["action_overhead_ms"] = _engine_overhead(supernet, clock)
+        return SpaceSpec(blocks, update_ms=update_ms, **overheads)
+
+
+def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats: int,
+                    clock: Callable[[], float]) -> tuple[list[BlockSpec], float]:
+    """Per-candidate costs, and the update's per resource, training paths that cycle through candidates."""
+    net.train()
+    ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
+    opt = optimizer(list(net.parameters()))
+    rounds = max(len(c) for c in ops)
+    forward: list[list[list[float]]] = [[[] for _ in c] for c in ops]
+    backward: list[list[list[float]]] = [[[] for _ in c] for c in ops]
+    update: list[float] = []
+    for run in range((repeats + 1) * rounds):  # the first round warms up kernels and optimizer state
+        picks = [run % len(c) for c in ops]  # caches are as cold as in training, where ops keep changing
+        f, b, u = _time_subnet([c[k] for c, k in zip(ops, picks)], x, opt, run, clock)
+        if run >= rounds:
+            for i, k in enumerate(picks):
+                forward[i][k].append(f[i])
+                backward[i][k].append(b[i])
+            update += u
+    blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
+                        [CandidateSpec(1000 * statistics.median(f), 1000 * statistics.median(b), _has_state(op))
+                         for op, f, b in zip(ops[i], forward[i], backward[i])])
+              for i, block in enumerate(net.blocks)]
+    return blocks, 1000 * statistics.median(update) if update else 0.0
+
+
+class _NullModule:
+    """The engine's view of a module whose compute is negligible: what remains is the engine's own work."""
+
+    naspipe_seed = 0
+    trainer = SimpleNamespace(lr_scheduler_configs=[], callback_metrics={})
+
+    def __init__(self, supernet: Supernet) -> None:
+        self.supernet = supernet
+        self.optimizer = _default_optimizer(list(self.supernet.parameters()))
+
+    def sample_subnet(self, index: int) -> dict[str, int]:
+        return uniform_architecture(self.supernet.labels, self.naspipe_seed, index)
+
+    def pipeline_input(self, batch: Any) -> Any:
+        return batch
+
+    def compute_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return output.sum()
+
+    def manual_backward(self, loss: Tensor) -> None:
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def optimizers(self) -> Any:
+        return SimpleNamespace(optimizer=self.optimizer, step=self.optimizer.step)
+
+
+def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4, subnets: int = 64) -> float:
+    """Milliseconds per action the one-stage engine spends beyond the profiled compute (bookkeeping,
+    sampling, scheduling, the loss call): a stand-in supernet with the same blocks, labels and candidate
+    counts but 1x1 linear ops, trained by the engine, minus its own profile."""
+    def tiny() -> nn.Module:
+        return nn.Linear(1, 1)
+    stand_in = Supernet(*[ChoiceBlock([tiny() for _ in b.candidates], b.label) if isinstance(b, ChoiceBlock)
+                          else tiny() for b in net.blocks])
+    module, engine = _NullModule(stand_in), Engine([range(len(stand_in))])
+    blocks, update_ms = _profile_blocks(copy.deepcopy(stand_in), torch.zeros(1, 1), _default_optimizer, 2, clock)
+    compute = sum(sum(c.forward_ms + c.backward_ms for c in b.candidates) / len(b.candidates) for b in blocks)
+    compute += update_ms * len(blocks)
+    elapsed = []
+    for _ in range(4):
+        start = clock()
+        for first in range(0, subnets, window):
+            engine.train_window(module, [torch.zeros(1, 1)] * window, first)
+        elapsed.append(clock() - start)
+    return max(0.0, (1000 * statistics.median(elapsed[1:]) / subnets - compute) / 3)
+
+
+def _has_state(op: nn.Module) -> bool:
+    return any(True for _ in op.parameters()) or any(True for _ in op.buffers())
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    return [v for v in value if isinstance(v, Tensor)] if isinstance(value, (tuple, list)) else []
+
+
+def _time_subnet(path: list[nn.Module], x: Any, opt: torch.optim.Optimizer, run: int,
+                 clock: Callable[[], float]) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of each block's forward and backward along ``path``, and of its update per resource.
+
+    Trains the path as the engine trains a subnet on one stage: forward block by block (keyed RNG),
+    one backward from a proxy loss (the sum of the output), a restricted optimizer step. A block's
+    backward ends when the gradient of its input is computed (a hook on it); the first blocks, whose
+    inputs need no gradient, end when the backward returns.
+    """
+    n = len(path)
+    forward, done = [0.0] * n, [0.0] * (n + 1)
+    for i, op in enumerate(path):
+        for t in _tensors(x):
+            if t.requires_grad:
+                stamp = lambda grad, i=i: done.__setitem__(i, max(done[i], clock()))  # noqa: E731
+                t.register_hook(stamp)  # type: ignore[no-untyped-call]
+        t0 = clock()
+        with keyed_rng(torch.device("cpu"), 0, run, i, 0):
+            x = op(x)
+        forward[i] = clock() - t0
+    outs = [o for o in _tensors(x) if o.requires_grad]
+    done[n] = clock()
+    if outs:
+        sum(o.float().sum() for o in outs).backward()  # type: ignore[union-attr]
+    end = clock()
+    done = [t or end for t in done]
+    backward = [max(done[i] - done[i + 1], 0.0) for i in range(n)]
+    stateful = [op for op in path if any(p.grad is not None for p in op.parameters())]
+    params = module_parameters(stateful)
+    t0 = clock()
+    with restrict_param_groups(opt, params):
+        opt.step()
+    for p in params:
+        p.grad = None
+    return forward, backward, [(clock() - t0) / len(stateful)] if stateful else []
+
+
+def lightning_overheads(batch_size: int = 1, features: int = 1, steps: int = 512) -> dict[str, float]:
+    """Lightning's own time beyond the engine's, per window and per subnet (~1-2 s).
+
+    A module whose supernet is one ``Linear(features, 1)`` is trained on one device with windows of
+    1 and of 8, fed ``(input, target)`` batches from a ``TensorDataset``; the engine's own time for
+    it is subtracted.
+
+    Args:
+        batch_size: samples per batch, as in training (collating a batch is part of the cost).
+        features: features per sample.
+        steps: subnets per run.
+
+    Returns:
+        ``{"step_overhead_ms": ..., "subnet_overhead_ms": ...}``, to pass to :func:`profile_supernet`.
+    """
+    import pytorch_lightning as pl
+
+    from lightning_naspipe.mixin import NASPipeMixin
+    from lightning_naspipe.strategy import NASPipeStrategy
+
+    class Tiny(NASPipeMixin, pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.supernet = Supernet(nn.Linear(features, 1))
+
+        def compute_loss(self, output: Tensor, batch: Any) -> Tensor:
+            return output.sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return _default_optimizer(list(self.parameters()))
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.times.append(time.perf_counter())
+
+    per_subnet = {}
+    samples = torch.zeros(steps * batch_size, features)
+    for window in (1, 8):
+        clock = Clock()
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(samples, samples), batch_size=batch_size)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=NASPipeStrategy(window=window), max_epochs=1,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[clock])
+        with torch.random.fork_rng(devices=[]):
+            trainer.fit(Tiny(), data)
+        gaps = [b - a for a, b in zip(clock.times[4:], clock.times[5:])]  # skip warm-up windows
+        per_subnet[window] = 1000 * statistics.median(gaps) / window
+    module, engine = _NullModule(Supernet(nn.Linear(features, 1))), Engine([range(1)])
+    start = time.perf_counter()
+    for first in range(0, steps, 8):
+        engine.train_window(module, [torch.zeros(batch_size, features)] * 8, first)
+    engine_ms = 1000 * (time.perf_counter() - start) / steps
+    per_window = max(0.0, (per_subnet[1] - per_subnet[8]) * 8 / 7)
+    return {"step_overhead_ms": per_window, "subnet_overhead_ms": max(0.0, per_subnet[8] - per_window / 8 - engine_ms)}
+
+
+def pipeline_overheads(supernet: Supernet, sample_input: Any, rounds: int = 30) -> dict[str, float]:
+    """Costs of two stage processes on this machine, over gloo and the real transport (~15 s).
+
+    Two processes (``torch.multiprocessing.spawn``; call it under ``if __name__ == "__main__":``)
+    train the supernet's candidate-0 path one at a time, then both at once while sending a message
+    per path (``parallel_slowdown``); send the activation a stage boundary carries while the
+    sender computes, timing its arrival on the shared monotonic clock (``message_ms``) and each
+    side's own time (``message_cpu_ms``); and share a window's losses (``sync_ms``).
+
+    Args:
+        supernet: the search space (each process trains its own copy).
+        sample_input: what the first block receives for one subnet batch.
+        rounds: repetitions of each measurement; medians are kept.
+
+    Returns:
+        Those four :class:`SpaceSpec` fields, to pass to :func:`profile_supernet`.
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        args = (port, supernet, sample_input, rounds, out)
+        mp.spawn(_pipeline_worker, args, nprocs=2)  # type: ignore[attr-defined,no-untyped-call]
+        first, second = (torch.load(os.path.join(out, f"{rank}.pt")) for rank in (0, 1))
+    return {key: (first[key] + second[key]) / 2 for key in first}
+
+
+def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_naspipe.transport import P2PTransport
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    link = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(minutes=2))
+    path = [b.candidates[0] if isinstance(b, ChoiceBlock) else b for b in net.blocks]
+    with torch.no_grad():
+        message = x
+        for op in path[: len(path) // 2]:
+            message = op(message)
+
+    def train(times: int, send: bool = False) -> list[float]:
+        took = []
+        for _ in range(times):
+            start = time.perf_counter()
+            if send:  # as a stage does: a message out per subnet, which the transport handles meanwhile
+                link.send_value(1 - rank, message)
+            y = x
+            for op in path:
+                y = op(y)
+            sum(t.float().sum() for t in _tensors(y)).backward()  # type: ignore[union-attr]
+            took.append(time.perf_counter() - start)
+        return took
+
+    train(2)
+    alone: list[float] = []
+    together: list[float] = []
+    for _ in range(3):  # each stage alone while the other waits, then both at once, sending; three times
+        for turn in (0, 1):
+            dist.barrier()
+            alone += train(rounds // 3 + 1) if rank == turn else []
+        dist.barrier()
+        together += train(rounds // 3 + 1, send=True)
+        for _ in range(rounds // 3 + 1):
+            link.recv_value(1 - rank)
+        link.end_window()
+    dist.barrier()
+    send, receive, sync = [], [], []
+    sent_at = torch.zeros(rounds + 1, dtype=torch.float64)
+    arrived_at = torch.zeros(rounds + 1, dtype=torch.float64)
+    for k in range(rounds + 1):
+        # Latency as in training: the sender computes right after its asynchronous send, which then
+        # competes with that compute; the receiver waits. Both read the host's monotonic clock.
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            link.send_value(1, message)
+            sent_at[k] = time.perf_counter()
+            send.append(sent_at[k].item() - t0)
+            train(1)
+        else:
+            link.recv_value(0)
+            arrived_at[k] = time.perf_counter()
+        link.end_window()
+        dist.barrier()  # the stage's own time to take a message that has already arrived
+        if rank == 1:
+            link.send_value(0, message)
+        else:
+            time.sleep(0.005)
+            t0 = time.perf_counter()
+            link.recv_value(1)
+            receive.append(time.perf_counter() - t0)
+        link.end_window()
+        dist.barrier()
+        t0 = time.perf_counter()
+        link.share_losses([torch.zeros(())] * 16)
+        sync.append(time.perf_counter() - t0)
+    dist.all_reduce(sent_at)
+    dist.all_reduce(arrived_at)
+    own = torch.tensor([(statistics.median(send) + statistics.median(receive)) / 2 if rank == 0 else 0.0])
+    dist.all_reduce(own)  # a message's own time, measured on stage 0
+    cpu = own.item()
+    latency = max(0.0, statistics.median((arrived_at - sent_at)[1:].tolist()) - cpu)
+    slowdown = max(1.0, (statistics.median(together) - cpu) / statistics.median(alone))
+    torch.save({"message_cpu_ms": 1000 * cpu, "message_ms": 1000 * latency, "parallel_slowdown": slowdown,
+                "sync_ms": 1000 * statistics.median(sync)}, os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
