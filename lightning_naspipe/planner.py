@@ -287,7 +287,7 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
             sched = _timed(build_schedule(seen, chunks).stages, costs, latency)
         overhead = round((fixed + len(archs) * spec.subnet_overhead_ms) * TICKS_PER_MS)
         for s in range(stages):
-            b, idle, peak, area = _analyse(sched, s, seen, chunks, latency)
+            b, idle, peak, area = _analyse(sched, s, seen, chunks, latency, order == "engine")
             busy[s] += b
             for cause, ticks in idle.items():
                 stalls[s][cause] += ticks
@@ -318,8 +318,12 @@ def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int
 
 
 def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]], latency: int) -> Schedule:
-    """Run fixed per-stage orders with these costs: each action starts when its stage is free and its
-    message (activation from ``s-1`` for F, gradient from ``s+1`` for B) has arrived."""
+    """Run fixed per-stage orders with these costs, as the stage processes do.
+
+    An F on ``s > 0`` (a B on ``s < S-1``) first receives its activation (gradient): the transport
+    moves a message once the receiver asks for it and the sender has sent it (a rendezvous), so the
+    receiver waits ``latency`` from then on, however early the message was sent.
+    """
     last = len(orders) - 1
     start: dict[tuple[int, Action], int] = {}
     finish: dict[tuple[int, Action], int] = {}
@@ -333,7 +337,7 @@ def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]]
                 if 0 <= peer <= last:
                     if (peer, a) not in finish:
                         break
-                    at = max(at, finish[(peer, a)] + latency)
+                    at = max(at, finish[(peer, a)]) + latency
                 start[(s, a)], finish[(s, a)] = at, at + costs[a.subnet][s][a.kind]
                 free[s], pc[s] = finish[(s, a)], pc[s] + 1
     return Schedule(tuple(tuple(o) for o in orders), start, finish)
@@ -346,14 +350,16 @@ def _scheduling_resources(mode: str, res: list[list[frozenset[Resource]]]) -> Se
     return [[_EVERYTHING if mode in ("one_in_flight", "gpipe") else frozenset()] * len(r) for r in res]
 
 
-def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], chunks: int,
-             latency: int) -> tuple[int, dict[str, int], int, int]:
+def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], chunks: int, latency: int,
+             rendezvous: bool) -> tuple[int, dict[str, int], int, int]:
     """Busy ticks, idle ticks per cause, peak in-flight and in-flight tick-area of stage ``s``.
 
     In an idle gap, each action whose same-stage dependencies are done is ready (but later in the
     stage's fixed order), held by its CSP gate alone, waiting for a message in flight, or for one
     still to be computed. A tick counts as ``order`` if some action was ready, else ``dependency``
     if one was held by CSP alone, else ``communication`` if an input was in flight, else ``data``.
+    With ``rendezvous`` (fixed orders) a message is in flight from when both its sender and the
+    stage's next action are at it, until that action starts.
     """
     n, last, order = len(res), len(sched.stages) - 1, sched.stages[s]
     start, finish = sched.start, sched.finish
@@ -362,7 +368,6 @@ def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], c
     for i in range(n):
         gate.append(max([users.get(key, -1) for key in res[i][s]], default=-1))
         users.update(dict.fromkeys(res[i][s], i))
-    never: list[list[int | None]] = [[None] * chunks for _ in range(n)]
     def produced(peer: int, kind: str) -> list[list[int | None]]:  # when each message was sent to stage s
         if not 0 <= peer <= last:
             return [[None] * chunks for _ in range(n)]
@@ -373,7 +378,7 @@ def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], c
     idle = dict.fromkeys(CAUSES, 0)
     busy = clock = 0
 
-    def gap(g0: int, g1: int) -> None:
+    def gap(g0: int, g1: int, following: Action) -> None:
         events: list[tuple[int, int, int]] = []  # (tick, 0 order / 1 dependency / 2 communication, +1 / -1)
 
         def span(kind: int, lo: int, hi: int) -> None:
@@ -386,21 +391,25 @@ def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], c
                 if c >= chunks or (kind == BACKWARD and c >= done[FORWARD][i]):
                     continue  # finished, or its same-stage dependency is not done
                 produced, arrived = sent[kind][i][c], 0
+                if produced is not None and rendezvous and following == Action(kind, i, c):
+                    span(2, produced, g1)
+                    continue
                 if produced is not None:
-                    arrived = produced + latency
+                    arrived = produced + (0 if rendezvous else latency)
                     span(2, produced, arrived)
                 free = max(arrived, unlocked[i]) if kind == FORWARD and c == 0 else arrived
                 span(1, arrived, free)  # a forward held by CSP alone once its input is here
                 span(0, free, g1)  # ready, but the stage runs something else first (fixed order)
         level, t = [0, 0, 0], g0
         for tick, which, step in sorted(events) + [(g1, 0, 0)]:
-            idle[next((c for c, on in zip(("order", "dependency", "communication"), level) if on), "data")] += tick - t
+            cause = next((c for c, on in zip(("order", "dependency", "communication"), level) if on), "data")
+            idle[cause] += tick - t
             level[which] += step
             t = tick
 
     for a in order:
         if start[(s, a)] > clock:
-            gap(clock, start[(s, a)])
+            gap(clock, start[(s, a)], a)
         busy += finish[(s, a)] - start[(s, a)]
         clock = finish[(s, a)]
         if a.kind != UPDATE:

@@ -248,10 +248,11 @@ def pipeline_overheads(supernet: Supernet, sample_input: Any, rounds: int = 30) 
     """Costs of two stage processes on this machine, over gloo and the real transport (~15 s).
 
     Two processes (``torch.multiprocessing.spawn``; call it under ``if __name__ == "__main__":``)
-    train the supernet's candidate-0 path one at a time, then both at once while sending a message
-    per path (``parallel_slowdown``); send the activation a stage boundary carries while the
-    sender computes, timing its arrival on the shared monotonic clock (``message_ms``) and each
-    side's own time (``message_cpu_ms``); and share a window's losses (``sync_ms``).
+    train the supernet's candidate-0 path one at a time, then both at once while each sends and
+    receives a message per path (``parallel_slowdown``: the compute's slowdown from sharing the
+    cores, with each other and with the transport's threads); receive the activation a stage
+    boundary carries while its sender computes (``message_ms``: the wait beyond a message's own
+    time, ``message_cpu_ms``); and share a window's losses (``sync_ms``).
 
     Args:
         supernet: the search space (each process trains its own copy).
@@ -290,50 +291,49 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
         for op in path[: len(path) // 2]:
             message = op(message)
 
-    def train(times: int, send: bool = False) -> list[float]:
+    def train(times: int, exchange: bool = False) -> list[float]:
         took = []
         for _ in range(times):
-            start = time.perf_counter()
-            if send:  # as a stage does: a message out per subnet, which the transport handles meanwhile
+            if exchange:  # as a stage does: a message out and one in per subnet
                 link.send_value(1 - rank, message)
+            start = time.perf_counter()
             y = x
             for op in path:
                 y = op(y)
             sum(t.float().sum() for t in _tensors(y)).backward()  # type: ignore[union-attr]
             took.append(time.perf_counter() - start)
+            if exchange:
+                link.recv_value(1 - rank)
+                link.end_window()
         return took
 
     train(2)
     alone: list[float] = []
     together: list[float] = []
-    for _ in range(3):  # each stage alone while the other waits, then both at once, sending; three times
+    for _ in range(3):  # each stage alone while the other waits, then both at once, messaging; three times
         for turn in (0, 1):
             dist.barrier()
             alone += train(rounds // 3 + 1) if rank == turn else []
         dist.barrier()
-        together += train(rounds // 3 + 1, send=True)
-        for _ in range(rounds // 3 + 1):
-            link.recv_value(1 - rank)
-        link.end_window()
+        together += train(rounds // 3 + 1, exchange=True)
     dist.barrier()
-    send, receive, sync = [], [], []
-    sent_at = torch.zeros(rounds + 1, dtype=torch.float64)
-    arrived_at = torch.zeros(rounds + 1, dtype=torch.float64)
-    for k in range(rounds + 1):
-        # Latency as in training: the sender computes right after its asynchronous send, which then
-        # competes with that compute; the receiver waits. Both read the host's monotonic clock.
+    send, receive, waited, sync = [], [], [], []
+    for _ in range(rounds + 1):
+        # A message moves once the receiver asks for it (a rendezvous); in training the sender is then
+        # computing, and its transport thread must get the core: the receiver waits that long.
         dist.barrier()
         if rank == 0:
             t0 = time.perf_counter()
             link.send_value(1, message)
-            sent_at[k] = time.perf_counter()
-            send.append(sent_at[k].item() - t0)
+            send.append(time.perf_counter() - t0)
             train(1)
         else:
+            time.sleep(0.001)
+            t0 = time.perf_counter()
             link.recv_value(0)
-            arrived_at[k] = time.perf_counter()
+            waited.append(time.perf_counter() - t0)
         link.end_window()
-        dist.barrier()  # the stage's own time to take a message that has already arrived
+        dist.barrier()  # the stage's own time to take a message from an idle sender
         if rank == 1:
             link.send_value(0, message)
         else:
@@ -346,13 +346,11 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
         t0 = time.perf_counter()
         link.share_losses([torch.zeros(())] * 16)
         sync.append(time.perf_counter() - t0)
-    dist.all_reduce(sent_at)
-    dist.all_reduce(arrived_at)
-    own = torch.tensor([(statistics.median(send) + statistics.median(receive)) / 2 if rank == 0 else 0.0])
-    dist.all_reduce(own)  # a message's own time, measured on stage 0
-    cpu = own.item()
-    latency = max(0.0, statistics.median((arrived_at - sent_at)[1:].tolist()) - cpu)
-    slowdown = max(1.0, (statistics.median(together) - cpu) / statistics.median(alone))
+    medians = torch.tensor([statistics.median(send + receive) if rank == 0 else 0.0,
+                            statistics.mean(waited[1:]) if rank == 1 else 0.0])  # the mean: waits come in bursts
+    dist.all_reduce(medians)
+    cpu, latency = medians[0].item(), max(0.0, medians[1].item() - medians[0].item())
+    slowdown = max(1.0, statistics.median(together) / statistics.median(alone))
     torch.save({"message_cpu_ms": 1000 * cpu, "message_ms": 1000 * latency, "parallel_slowdown": slowdown,
                 "sync_ms": 1000 * statistics.median(sync)}, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
