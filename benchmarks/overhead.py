@@ -36,7 +36,7 @@ import torch
 
 import lightning_naspipe as lnp
 from common import Result, add_common_args, launch, machine, ok, plot, write_json
-from lightning_naspipe.engine import scheduling_resources
+from lightning_naspipe.schedule import scheduling_resources
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.sampling import keyed_rng

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_naspipe import Supernet
-from lightning_naspipe.engine import scheduling_resources
+from lightning_naspipe.schedule import scheduling_resources
 from lightning_naspipe.schedule import BACKWARD, FORWARD, Action, build_schedule
 
 FORWARD_COST, BACKWARD_COST, UPDATE_COST = 1.0, 2.0, 0.05

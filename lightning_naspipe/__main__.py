@@ -12,7 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lightning_naspipe.planner import SCHEDULES, SpaceSpec, plan, table, wide_spec
+from lightning_naspipe.planner import SpaceSpec, plan, table, wide_spec
+from lightning_naspipe.schedule import SCHEDULES
 
 
 def _plan(args: argparse.Namespace) -> int:

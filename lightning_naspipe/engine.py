@@ -19,7 +19,8 @@ from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Wi
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.offload import Offloader, WindowResidency, memory_conflicts
-from lightning_naspipe.schedule import FORWARD, UPDATE, build_schedule
+from lightning_naspipe.schedule import FORWARD, SCHEDULES, UPDATE, build_schedule, scheduling_resources
+from lightning_naspipe.supernet import Resource
 from lightning_naspipe.telemetry import StageTelemetry
 
 
@@ -36,32 +37,6 @@ class EngineModule(StageModule, Protocol):
     def sample_subnet(self, index: int) -> dict[str, int]: ...
 
     def optimizers(self) -> Any: ...
-
-
-#: Schedules the engine can run. All but ``"async"`` keep the exactness contract.
-SCHEDULES = ("csp", "one_in_flight", "gpipe", "async")
-_EVERYTHING = frozenset({"the whole stage"})
-
-
-def scheduling_resources(
-    mode: str, resources: Sequence[Sequence[frozenset[Any]]]
-) -> Sequence[Sequence[frozenset[Any]]]:
-    """The resources the scheduler sees for a schedule ``mode`` (baselines are CSP with other conflicts).
-
-    - ``"csp"``: the real ones; independent subnets overlap.
-    - ``"one_in_flight"`` / ``"gpipe"``: every subnet conflicts with every other on every stage, so one
-      subnet is in flight at a time (GPipe: its micro-batches still pipeline; use ``chunks > 1``).
-    - ``"async"``: no conflicts at all; subnets overlap regardless of shared parameters and all
-      updates wait for the window's end (stale weights within a window, gradients of shared
-      parameters mixed), so results are NOT reproducible (for comparison only).
-    """
-    if mode == "csp":
-        return resources
-    if mode in ("one_in_flight", "gpipe"):
-        return [[_EVERYTHING] * len(stages) for stages in resources]
-    if mode == "async":
-        return [[frozenset()] * len(stages) for stages in resources]
-    raise ValueError(f"unknown schedule {mode!r}; choose one of {SCHEDULES}")
 
 
 class Engine:
@@ -100,8 +75,6 @@ class Engine:
         self.offloader = offloader
         self.memory_budget = memory_budget
         self.telemetry = telemetry
-        if transport is not None and hasattr(transport, "telemetry"):
-            transport.telemetry = telemetry
 
     @property
     def blocks(self) -> range:
@@ -124,10 +97,7 @@ class Engine:
             planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
         schedule = build_schedule(planned, self.chunks)
         window = Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
-        executor = StageExecutor(
-            module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport,
-            self.telemetry,
-        )
+        executor = self._executor(module, self.telemetry)
         if self.telemetry is not None:
             self.telemetry.begin_window()
 
@@ -143,7 +113,7 @@ class Engine:
             residency = WindowResidency(self.offloader, order, [r[self.stage] for r in resources])
 
         def update(k: int) -> None:
-            self.update(module, window.first_index + k, architectures[k])
+            self.update(module, window.first_index + k, resources[k][self.stage])
             if residency is not None:
                 residency.after_update(k)
 
@@ -162,9 +132,7 @@ class Engine:
     def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
         """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
         architecture = module.supernet.validate(architecture)
-        executor = StageExecutor(
-            module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed, self.transport
-        )
+        executor = self._executor(module, None)
         keys = module.supernet.resources(self.blocks, architecture)
         if self.offloader is not None:
             self.offloader.acquire(keys)
@@ -176,10 +144,14 @@ class Engine:
             output = self.transport.share(output)
         return output
 
-    def update(self, module: EngineModule, index: int, architecture: dict[str, int]) -> None:
-        """Step the optimizer on subnet ``index``'s parameters of this stage, then per-step schedulers."""
+    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None) -> StageExecutor:
+        return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
+                             self.transport, telemetry)
+
+    def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
+        """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then
+        per-step schedulers."""
         supernet = module.supernet
-        resources = supernet.resources(self.blocks, architecture)
         params = module_parameters(supernet.resource_module(r) for r in sorted(resources))
         optimizer = module.optimizers()
         assert not isinstance(optimizer, list)

@@ -5,8 +5,9 @@ backward milliseconds and whether it holds state), plus the run's overheads. :fu
 subnets like the mixin's default sampler, splits the blocks into stages, builds each window's CSP
 schedule with the real scheduler (:func:`~lightning_naspipe.schedule.build_schedule`), times it with
 those costs, and reports throughput, bubbles, why stages stall and how many subnets are in flight.
-:func:`plan` does it for many stage counts. Pure Python: this module imports no torch
-(:mod:`.profile` measures a supernet). See ``docs/planner.md``.
+:func:`plan` does it for many stage counts; it reuses the sampler, the stage split and the schedule
+modes of the training code, so predictions cannot drift from what runs. :mod:`.profile` measures a
+supernet. See ``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule, build_schedule
+from lightning_naspipe.partition import balanced_split
+from lightning_naspipe.sampling import uniform_architecture
+from lightning_naspipe.schedule import (
+    BACKWARD,
+    FORWARD,
+    SCHEDULES,
+    UPDATE,
+    Action,
+    Schedule,
+    build_schedule,
+    scheduling_resources,
+)
 
 __all__ = ["CAUSES", "TICKS_PER_MS", "BlockSpec", "CandidateSpec", "Prediction", "SpaceSpec", "plan", "simulate",
            "table", "wide_spec"]
@@ -28,8 +40,6 @@ TICKS_PER_MS = 100
 #: gradient not yet computed (pipeline fill/drain), one computed but still in flight, work ready but later
 #: in the engine's fixed order, and fixed per-window overheads.
 CAUSES = ("dependency", "data", "communication", "order", "overhead")
-SCHEDULES = ("csp", "one_in_flight", "gpipe", "async")
-_EVERYTHING = frozenset({"the whole stage"})
 _OVERHEADS = ("update_ms", "action_overhead_ms", "message_ms", "message_cpu_ms", "parallel_slowdown",
               "step_overhead_ms", "subnet_overhead_ms", "sync_ms")
 Resource = tuple[int, int]
@@ -170,41 +180,6 @@ class Prediction:
                 "bubble_ratio": self.bubble_ratio, "stall_split": self.stall_split()}
 
 
-def uniform_architecture(labels: Mapping[str, int], seed: int, index: int) -> dict[str, int]:
-    """``sampling.uniform_architecture``, duplicated because :mod:`.sampling` imports torch (tested equal)."""
-    def mix(*values: int) -> int:
-        state, mask = 0, (1 << 64) - 1
-        for value in values:
-            x = ((state ^ (value & mask)) + 0x9E3779B97F4A7C15) & mask
-            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
-            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
-            state = x ^ (x >> 31)
-        return state
-    return {label: mix(0x5A3D, seed, index, pos) % count for pos, (label, count) in enumerate(labels.items())}
-
-
-def balanced_split(weights: Sequence[float], stages: int) -> list[int]:
-    """Blocks per stage minimising the heaviest stage (``partition.balanced_split``; that module imports torch)."""
-    prefix = [0.0]
-    for weight in weights:
-        prefix.append(prefix[-1] + weight)
-    count, inf = len(weights), float("inf")
-    best = [[inf] * (count + 1) for _ in range(stages + 1)]
-    cut = [[0] * (count + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, count - (stages - s) + 1):
-            for j in range(s - 1, i):
-                cost = max(best[s - 1][j], prefix[i] - prefix[j])
-                if cost < best[s][i]:
-                    best[s][i], cut[s][i] = cost, j
-    sizes, i = [], count
-    for s in range(stages, 0, -1):
-        sizes.append(i - cut[s][i])
-        i = cut[s][i]
-    return sizes[::-1]
-
-
 def _ticks(ms: float) -> int:
     return max(1, round(ms * TICKS_PER_MS))
 
@@ -280,7 +255,7 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
                  for i in range(len(archs))]
         res = [[frozenset(p for p in (picks[i][b] for b in r) if spec.blocks[p[0]].candidates[p[1]].stateful)
                 for r in ranges] for i in range(len(archs))]
-        seen = _scheduling_resources(schedule, res)
+        seen = scheduling_resources(schedule, res)
         if order == "greedy":
             sched = build_schedule(seen, chunks, lambda s, a: costs[a.subnet][s][a.kind], latency=latency)
         else:
@@ -341,13 +316,6 @@ def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]]
                 start[(s, a)], finish[(s, a)] = at, at + costs[a.subnet][s][a.kind]
                 free[s], pc[s] = finish[(s, a)], pc[s] + 1
     return Schedule(tuple(tuple(o) for o in orders), start, finish)
-
-
-def _scheduling_resources(mode: str, res: list[list[frozenset[Resource]]]) -> Sequence[Sequence[frozenset[Any]]]:
-    """``engine.scheduling_resources``, duplicated because :mod:`.engine` imports torch."""
-    if mode == "csp":
-        return res
-    return [[_EVERYTHING if mode in ("one_in_flight", "gpipe") else frozenset()] * len(r) for r in res]
 
 
 def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], chunks: int, latency: int,

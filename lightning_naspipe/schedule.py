@@ -34,8 +34,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["BACKWARD", "FORWARD", "UPDATE", "Action", "DeadlockError", "Schedule", "ScheduleError",
-           "build_schedule", "check_schedule", "replay"]
+__all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "UPDATE", "Action", "DeadlockError", "Schedule", "ScheduleError",
+           "build_schedule", "check_schedule", "replay", "scheduling_resources"]
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -356,3 +356,29 @@ def replay(schedule: Schedule, num_stages: int) -> None:
     for s in range(num_stages):
         left = [*inbox[s][0], *inbox[s][1], *(+early[s][0]).elements(), *(+early[s][1]).elements()]
         _require(not left, "message matching", "stage {} never received {}", s, left)
+
+
+#: Schedules the engine can run. All but ``"async"`` keep the exactness contract.
+SCHEDULES = ("csp", "one_in_flight", "gpipe", "async")
+_EVERYTHING = frozenset({"the whole stage"})
+
+
+def scheduling_resources(
+    mode: str, resources: Sequence[Sequence[frozenset[Hashable]]]
+) -> Sequence[Sequence[frozenset[Hashable]]]:
+    """The resources the scheduler sees for a schedule ``mode`` (baselines are CSP with other conflicts).
+
+    - ``"csp"``: the real ones; independent subnets overlap.
+    - ``"one_in_flight"`` / ``"gpipe"``: every subnet conflicts with every other on every stage, so one
+      subnet is in flight at a time (GPipe: its micro-batches still pipeline; use ``chunks > 1``).
+    - ``"async"``: no conflicts at all; subnets overlap regardless of shared parameters and all
+      updates wait for the window's end (stale weights within a window, gradients of shared
+      parameters mixed), so results are NOT reproducible (for comparison only).
+    """
+    if mode == "csp":
+        return resources
+    if mode in ("one_in_flight", "gpipe"):
+        return [[_EVERYTHING] * len(stages) for stages in resources]
+    if mode == "async":
+        return [[frozenset()] * len(stages) for stages in resources]
+    raise ValueError(f"unknown schedule {mode!r}; choose one of {SCHEDULES}")

@@ -38,7 +38,8 @@ from typing_extensions import override
 from lightning_naspipe.callback import NASPipeCallback, validate_run
 from lightning_naspipe.data import DataTracker, WindowLoader
 from lightning_naspipe.distributed import drop_foreign_state, gather_optimizer_state, sync_stage_weights
-from lightning_naspipe.engine import SCHEDULES, Engine
+from lightning_naspipe.engine import Engine
+from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
@@ -240,10 +241,11 @@ class NASPipeStrategy(ParallelStrategy):
         supernet = supernet_of(self.lightning_module)
         self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance)
         check_no_shared_parameters(supernet, self.stage_ranges)
+        telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
         transport = None
         if self.world_size > 1:
             transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout)
-        telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
+            transport.telemetry = telemetry
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry)
         if self.world_size > 1:

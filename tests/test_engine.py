@@ -157,7 +157,7 @@ def test_baseline_schedules_stay_exact(schedule: str) -> None:
 
 
 def test_scheduling_resources_per_mode() -> None:
-    from lightning_naspipe.engine import scheduling_resources
+    from lightning_naspipe.schedule import scheduling_resources
     from lightning_naspipe.schedule import build_schedule
 
     real = [[frozenset({1}), frozenset()], [frozenset({2}), frozenset({3})], [frozenset({1}), frozenset()]]

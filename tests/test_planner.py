@@ -15,7 +15,8 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe import planner
-from lightning_naspipe.engine import Engine, scheduling_resources
+from lightning_naspipe.engine import Engine
+from lightning_naspipe.schedule import scheduling_resources
 from lightning_naspipe.partition import balanced_split
 from lightning_naspipe.planner import CAUSES, BlockSpec, CandidateSpec, SpaceSpec, plan, simulate, wide_spec
 from lightning_naspipe.profile import profile_supernet
@@ -130,7 +131,7 @@ def test_duplicated_helpers_match_the_torch_modules() -> None:
         assert planner.balanced_split(weights, stages) == balanced_split(weights, stages)
     res = [[frozenset({(0, 1)}), frozenset()], [frozenset({(0, 2)}), frozenset({(1, 0)})]]
     for mode in planner.SCHEDULES:
-        assert list(planner._scheduling_resources(mode, res)) == list(scheduling_resources(mode, res))
+        assert list(planner.scheduling_resources(mode, res)) == list(scheduling_resources(mode, res))
 
 
 def test_cli_prints_a_table() -> None:
