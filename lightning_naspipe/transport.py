@@ -7,8 +7,8 @@ buffers messages it does not need yet; the schedule's replay check guarantees th
 Sends are asynchronous and awaited at the end of the window, so a stage computes while its
 outputs are in flight.
 
-A message is a tensor or a tuple of tensors of any shape and dtype: a small header (count,
-dtypes, shapes) goes first so the receiver can allocate.
+A value is a tensor or a tuple of tensors of any shape and dtype, sent as one message that
+carries its own header (see :mod:`.wire`).
 """
 
 from __future__ import annotations
@@ -22,16 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_naspipe import wire as wire_format
 from lightning_naspipe.distributed import broadcast_object
 from lightning_naspipe.schedule import Schedule
-
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]
-_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-# Header slots sent in one message: [length, is_tuple, count, (dtype, ndim, *shape) per tensor].
-HEADER_SLOTS = 24
 
 
 class StageFailure(RuntimeError):
@@ -59,6 +52,10 @@ class P2PTransport:
         # Per incoming link: the (subnet, chunk) sequence still to arrive, and early arrivals.
         self._expected: dict[str, list[tuple[int, int]]] = {"forward": [], "backward": []}
         self._buffer: dict[str, dict[tuple[int, int], Any]] = {"forward": {}, "backward": {}}
+        # ("to" | "from", peer stage) -> bytes of the link's last message: the size expected next.
+        self._link_size: dict[tuple[str, int], int] = {}
+        #: Point-to-point messages this stage has sent (values plus size announcements).
+        self.messages_sent = 0
 
     def begin_window(self, schedule: Schedule) -> None:
         """Learn the order in which the neighbours will send during this window."""
@@ -100,10 +97,10 @@ class P2PTransport:
         packed = torch.zeros(len(losses) + 1, dtype=torch.float64, device=self._wire_device())
         if self.stage == last:
             values = [loss for loss in losses if loss is not None]
-            packed[0] = _CODE[values[0].dtype] if values else 0
+            packed[0] = wire_format.CODE[values[0].dtype] if values else 0
             packed[1:] = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values]).to(packed.device)
         dist.broadcast(packed, src=self.ranks[last])
-        dtype = _DTYPES[int(packed[0].item())]
+        dtype = wire_format.DTYPES[int(packed[0].item())]
         return [v.to(dtype).to(self.device) for v in packed[1:]]
 
     def send_value(self, stage: int, value: Any) -> None:
@@ -113,25 +110,21 @@ class P2PTransport:
     def recv_value(self, stage: int) -> Any:
         return self._recv(stage, requires_grad=False)
 
-    # -- the wire format ------------------------------------------------------------------
+    # -- messages -------------------------------------------------------------------------
 
     def _send(self, stage: int, value: Any) -> None:
-        tensors, is_tuple = _flatten(value)
-        header = [int(is_tuple), len(tensors)]
-        for t in tensors:
-            header += [_CODE[t.dtype], t.dim(), *t.shape]
-        header = [len(header) + 1, *header]
         wire = self._wire_device()
-        # One fixed-size header message covers common values; a longer header sends its tail next.
-        padded = header + [0] * (HEADER_SLOTS - len(header))
-        messages = [torch.tensor(padded[:HEADER_SLOTS], dtype=torch.int64, device=wire)]
-        if len(header) > HEADER_SLOTS:
-            messages.append(torch.tensor(header[HEADER_SLOTS:], dtype=torch.int64, device=wire))
-        messages += [t.detach().to(self.device).contiguous() for t in tensors]
+        message = wire_format.pack(value, wire)
+        expected = self._link_size.get(("to", stage), wire_format.FIRST_SIZE)
+        messages = [message]
+        if message.numel() != expected:  # the receiver posts `expected` bytes: announce the new size
+            messages.insert(0, wire_format.resize_message(expected, message.numel(), wire))
+        self._link_size[("to", stage)] = message.numel()
         dst = self.ranks[stage]
         for t in messages:
             # The tensor is kept alive until end_window: the send reads it asynchronously.
             self._pending.append((dist.isend(t, dst), [t]))
+        self.messages_sent += len(messages)
 
     def _recv_for(self, link: str, stage: int, key: tuple[int, int], requires_grad: bool) -> Any:
         buffer = self._buffer[link]
@@ -144,25 +137,16 @@ class P2PTransport:
 
     def _recv(self, stage: int, requires_grad: bool) -> Any:
         src = self.ranks[stage]
-        head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
-        self._recv_into(head, src, stage)
-        header = head.tolist()
-        if header[0] > HEADER_SLOTS:
-            tail = torch.empty(header[0] - HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
-            self._recv_into(tail, src, stage)
-            header += tail.tolist()
-        is_tuple, count, pos = bool(header[1]), header[2], 3
-        tensors = []
-        for _ in range(count):
-            dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
-            shape = header[pos + 2: pos + 2 + ndim]
-            pos += 2 + ndim
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._recv_into(t, src, stage)
-            if requires_grad and t.is_floating_point():
-                t.requires_grad_(True)
-            tensors.append(t)
-        return tuple(tensors) if is_tuple else tensors[0]
+        size = self._link_size.get(("from", stage), wire_format.FIRST_SIZE)
+        message = torch.empty(size, dtype=torch.uint8, device=self._wire_device())
+        self._recv_into(message, src, stage)
+        announced = wire_format.resized(message)
+        if announced is not None:
+            message = torch.empty(announced, dtype=torch.uint8, device=self._wire_device())
+            self._recv_into(message, src, stage)
+            self._link_size[("from", stage)] = announced
+        value = wire_format.unpack(message, requires_grad)
+        return value if message.device == self.device else _to(value, self.device, requires_grad)
 
     def _recv_into(self, tensor: Tensor, src: int, stage: int) -> None:
         try:
@@ -189,15 +173,11 @@ class P2PTransport:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _flatten(value: Any) -> tuple[list[Tensor], bool]:
-    if isinstance(value, Tensor):
-        return [value], False
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
-        return list(value), True
-    raise TypeError(
-        f"A block on a stage boundary returned {type(value).__name__}; blocks must pass a tensor or a tuple of "
-        "tensors to the next stage."
-    )
+
+def _to(value: Any, device: torch.device, requires_grad: bool) -> Any:
+    tensors, is_tuple = wire_format.flatten(value)
+    moved = [t.detach().to(device).requires_grad_(requires_grad and t.is_floating_point()) for t in tensors]
+    return tuple(moved) if is_tuple else moved[0]
 
 
 def _lost(stage: int, rank: int | None, error: BaseException) -> StageFailure:

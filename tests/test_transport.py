@@ -21,8 +21,10 @@ VALUES = [
     (torch.ones(2, 1, 4, dtype=torch.float64), torch.tensor([1, 2], dtype=torch.int64), torch.tensor(True)),
     (torch.zeros(0, 5, dtype=torch.bfloat16),),
     torch.full((3,), 7, dtype=torch.uint8),
-    tuple(torch.full((1, 2, 1, 2), float(i)) for i in range(8)),  # a header longer than one message
+    tuple(torch.full((1, 2, 1, 2), float(i)) for i in range(8)),  # a long header
 ]
+# Values of one shape, as a stage boundary carries subnet after subnet: one message each.
+STEADY = [torch.full((4, 3), float(i)) for i in range(5)]
 
 
 def _worker(rank: int, port: int, results: dict) -> None:
@@ -42,6 +44,14 @@ def _worker(rank: int, port: int, results: dict) -> None:
         results["ok"] = all(_same(got[key], VALUES[i % len(VALUES)]) for i, key in enumerate(sends))
         results["grad"] = got[sends[0]].requires_grad
     transport.end_window()
+    before = transport.messages_sent
+    for i, value in enumerate(STEADY):  # outside a window's schedule, as evaluation sends
+        if rank == 0:
+            transport.send_value(1, value)
+        else:
+            results[f"steady{i}"] = torch.equal(transport.recv_value(0), value)
+    transport.end_window()
+    results[f"steady_messages{rank}"] = transport.messages_sent - before
     results[f"shared{rank}"] = transport.share("from the last stage" if rank == 1 else None)
     dist.destroy_process_group()
 
@@ -60,11 +70,8 @@ def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order() -> None:
         results = manager.dict()
         mp.spawn(_worker, args=(port, results), nprocs=2, join=True)
         assert results["ok"] and results["grad"]
+        assert all(results[f"steady{i}"] for i in range(len(STEADY)))
+        # The first value of a new size is announced once; the others are a single message each.
+        assert results["steady_messages0"] == len(STEADY) + 1
         assert results["shared0"] == results["shared1"] == "from the last stage"
 
-
-def test_non_tensor_boundary_values_are_refused() -> None:
-    from lightning_naspipe.transport import _flatten
-
-    with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
-        _flatten({"x": torch.ones(1)})
