@@ -39,9 +39,13 @@ class NASPipeMixin:
     Attributes:
         naspipe_seed: keys subnet sampling and in-block randomness. Defaults to the seed given
             to ``pl.seed_everything`` (``PL_GLOBAL_SEED``), else 0. Set it in ``__init__`` to fix it.
+        supernet_example_input: optional; what the first block receives for one subnet batch
+            (``pipeline_input(batch)``), e.g. ``torch.zeros(32, 3, 32, 32)``. When set, the pipeline
+            stages are balanced by each block's measured time on it instead of by parameter counts.
     """
 
     supernet: Supernet
+    supernet_example_input: Any = None
 
     # -- what users implement or override ------------------------------------------------
 

@@ -44,7 +44,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
-from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
+from lightning_naspipe.partition import agreed_timed_weights, check_no_shared_parameters, stage_ranges
 from lightning_naspipe.transport import P2PTransport
 
 
@@ -65,8 +65,9 @@ class NASPipeStrategy(ParallelStrategy):
             summation order.
         num_stages: pipeline stages; must equal the number of processes (devices x nodes),
             which is the default.
-        balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by the expected
-            parameter count of one subnet per block (see :mod:`lightning_naspipe.partition`).
+        balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
+            and backward time, measured on the module's ``supernet_example_input`` when it sets one,
+            else by the expected parameter count of one subnet per block (see :mod:`.partition`).
         schedule: ``"csp"`` (NASPipe); or, for comparison, ``"one_in_flight"`` (one subnet in the
             pipeline at a time, the research artifact's reproducible baseline), ``"gpipe"`` (the
             same with micro-batches filling and draining the pipeline per subnet; use ``chunks > 1``),
@@ -239,7 +240,11 @@ class NASPipeStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         supernet = supernet_of(self.lightning_module)
-        self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance)
+        example = getattr(self.lightning_module, "supernet_example_input", None)
+        weights = None
+        if self.balance is None and example is not None and self.world_size > 1:
+            weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast)
+        self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance, weights)
         check_no_shared_parameters(supernet, self.stage_ranges)
         telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
         transport = None

@@ -21,7 +21,7 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint  # noqa: 
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
 import lightning_naspipe as lnp  # noqa: E402
-from helpers import ToyNet, toy_loader, trainer_kwargs  # noqa: E402
+from helpers import FEATURES, ToyNet, toy_loader, trainer_kwargs  # noqa: E402
 
 
 class Killer(pl.Callback):
@@ -50,10 +50,13 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--schedule", default="csp")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
+    parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
     args = parser.parse_args()
 
     pl.seed_everything(7, verbose=False)
     model = ToyNet()
+    if args.example_input:
+        model.supernet_example_input = torch.ones(8, FEATURES)  # not randn: the global RNG drives the shuffle
     callbacks = [Killer(args.kill_stage, args.kill_step)] if args.kill_stage >= 0 else []
     logging: dict = {}
     if args.log_dir:
@@ -75,6 +78,7 @@ def main() -> None:
     trainer.fit(model, toy_loader(), val, ckpt_path=args.resume)
     trainer.save_checkpoint(args.out)
     torch.save(model.state_dict(), f"{args.out}.rank{trainer.global_rank}")
+    torch.save(trainer.strategy.stage_ranges, f"{args.out}.ranges{trainer.global_rank}")
     if trainer.global_rank == 0:
         torch.save(model.losses, args.out + ".losses")
 

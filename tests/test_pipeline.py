@@ -61,13 +61,17 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _plain_state(tmp_path_factory.mktemp("plain"), max_epochs=2)
 
 
-@pytest.mark.parametrize("stages, window", [(2, 1), (2, 8), (3, 1), (3, 8)])
-def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int) -> None:
-    ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window))
+@pytest.mark.parametrize("stages, window, timed_split", [(2, 1, False), (2, 8, False), (3, 1, True), (3, 8, False)])
+def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int, timed_split: bool) -> None:
+    ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window),
+                   *(["--example-input"] if timed_split else []))
     assert_same_state(plain, _state(ckpt))
     for rank in range(stages):  # after fit every rank holds the full trained weights
         weights = torch.load(f"{ckpt}.rank{rank}")
         assert all(torch.equal(weights[k], plain["model"][k]) for k in plain["model"])
+    # Every stage process uses one split (with a timed split: rank 0's timing, broadcast).
+    splits = [torch.load(f"{ckpt}.ranges{rank}", weights_only=False) for rank in range(stages)]
+    assert all(split == splits[0] for split in splits) and len(splits[0]) == stages
 
 
 def test_offload_on_two_stages_equals_plain_trainer(tmp_path: Path, plain: dict) -> None:
