@@ -26,9 +26,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch import nn
 
 import lightning_naspipe as lnp
+from lightning_naspipe.block_timing import timed_block_weights
 from lightning_naspipe.partition import balanced_split
 
 #: ``subnets_per_s``, ``samples_per_s``, ``subnets``; or ``error`` for a failed run.
@@ -73,21 +73,25 @@ def naspipe_strategy(cfg: dict[str, Any]) -> Any:
     if cfg["stages"] == 0:
         return "auto"
     return lnp.NASPipeStrategy(window=cfg.get("window", 32), chunks=cfg.get("chunks", 1),
-                               schedule=cfg.get("schedule", "csp"), balance=cfg.get("balance"))
+                               schedule=cfg.get("schedule", "csp"), balance=cfg.get("balance"),
+                               offload=bool(cfg.get("offload", False)))
 
 
 def fit_timed(module: pl.LightningModule, data: Any, cfg: dict[str, Any], strategy: Any, devices: int,
               subnets_per_step: int = 1) -> None:
-    """Train ``module`` for one epoch of ``data``; rank 0 writes throughput to ``cfg["out"]``."""
+    """Train ``module`` for one epoch of ``data``; rank 0 writes throughput to ``cfg["out"]``, and
+    a NASPipe strategy's ``stage_metrics()`` (offload, telemetry) under ``"metrics"``."""
     clock = Clock(cfg["warmup"], subnets_per_step)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
     trainer.fit(module, data)
+    metrics = strategy.stage_metrics() if isinstance(strategy, lnp.NASPipeStrategy) else {}  # collective
     if trainer.global_rank == 0:
         rate = clock.subnets / clock.elapsed
         with open(cfg["out"], "w") as f:
-            json.dump({"subnets_per_s": rate, "samples_per_s": rate * cfg["batch"], "subnets": clock.subnets}, f)
+            json.dump({"subnets_per_s": rate, "samples_per_s": rate * cfg["batch"], "subnets": clock.subnets,
+                       "metrics": metrics}, f)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -267,33 +271,9 @@ def write_json(path: str, data: Any) -> None:
             json.dump(data, f, indent=1)
 
 
-def time_balance(supernet: lnp.Supernet, x: torch.Tensor, stages: int, per_block: int = 4) -> list[int]:
-    """Blocks per stage balancing *measured* forward+backward time (one thread), not parameters.
-
-    Why: the default split weighs parameter counts, which is a poor proxy for convolutions at
-    high resolution or for attention. Each block is timed over its first ``per_block``
-    candidates (the spaces here order candidates so that any prefix is representative).
-    """
+def time_balance(supernet: lnp.Supernet, x: torch.Tensor, stages: int) -> list[int]:
+    """Blocks per stage balancing *measured* forward+backward time (one thread), not parameters:
+    what ``NASPipeStrategy`` does itself when the module sets ``supernet_example_input``."""
     torch.set_num_threads(1)
-    weights = []
-    for block in supernet.blocks:
-        ops = list(block.candidates)[:per_block] if isinstance(block, lnp.ChoiceBlock) else [block]
-        timed = [_time_op(op, x) for op in ops]
-        weights.append(sum(seconds for seconds, _ in timed) / len(ops))
-        x = timed[-1][1]  # the next block's input
-    split: list[int] = balanced_split(weights, stages)
+    split: list[int] = balanced_split(timed_block_weights(supernet, x), stages)
     return split
-
-
-def _time_op(op: nn.Module, x: torch.Tensor, reps: int = 3) -> tuple[float, torch.Tensor]:
-    inp = x.detach().requires_grad_(x.is_floating_point())
-    op(inp).float().sum().backward()  # warm-up (allocator, lazy kernels)
-    elapsed = float("inf")
-    for _ in range(reps):  # the fastest run: other jobs on the machine only ever add time
-        start = time.perf_counter()
-        out = op(inp)
-        out.float().sum().backward()
-        elapsed = min(elapsed, time.perf_counter() - start)
-    op.zero_grad(set_to_none=True)
-    result: torch.Tensor = out.detach()
-    return elapsed, result

@@ -122,9 +122,9 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=16)
     parser.add_argument("--per-resolution", type=int, default=3, help="choice blocks per resolution (3 of them)")
     parser.add_argument("--size", type=int, default=16, help="image side")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--subnets", type=int, default=96, help="subnets per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=128, help="images per subnet (split into chunks)")
+    parser.add_argument("--subnets", type=int, default=80, help="subnets per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="fewer subnets, no chunks 8 / one_in_flight rows")
     parser.add_argument("--plot", default="docs/spos_cnn.png")
@@ -136,7 +136,7 @@ def main() -> None:
         return
     configs = CONFIGS
     if args.quick:
-        args.subnets, args.warmup, args.window, args.per_resolution = 48, 16, 16, 2
+        args.subnets, args.warmup, args.window, args.per_resolution, args.batch = 48, 16, 16, 2, 64
         configs = [c for c in CONFIGS if c[0] not in ("csp chunks 8", "one_in_flight")]
     module = SposCNN(args.channels, args.per_resolution)
     balance = time_balance(module.supernet, random_images(args.batch, args.batch, args.size).dataset[:][0], 2)

@@ -179,6 +179,9 @@ class DigitsSupernet(lnp.NASPipeMixin, pl.LightningModule):
             *(choice_block(wide) for _ in range(blocks_per_stage)),
             nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(wide, NUM_CLASSES)),  # head
         )
+        # What the first block receives for one batch of 8x8 digit images: with several stages, the
+        # strategy times each block on it and splits the stages by time rather than parameter counts.
+        self.supernet_example_input = torch.zeros(64, 1, 8, 8)
         self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
         self.val_acc_per_subnet = nn.ModuleList(
             MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro") for _ in range(num_val_subnets)

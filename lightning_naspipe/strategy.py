@@ -44,7 +44,8 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
-from lightning_naspipe.partition import agreed_timed_weights, check_no_shared_parameters, stage_ranges
+from lightning_naspipe.block_timing import agreed_timed_weights
+from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
 from lightning_naspipe.transport import P2PTransport
 
 
