@@ -62,7 +62,7 @@ def space_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--subnets", type=int, default=160)
+    parser.add_argument("--subnets", type=int, default=480, help="subnets per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=32)
 
 

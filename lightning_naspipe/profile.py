@@ -1,4 +1,4 @@
-"""A short profile of a supernet's blocks: the :class:`~.planner.SpaceSpec` the planner predicts from.
+"""A short profile of a supernet's blocks: the :class:`~.space_spec.SpaceSpec` the planner predicts from.
 
 Every candidate of every block is timed forward and backward (CPU wall time by default, after a
 warm-up round) while training paths through the supernet that cycle through the candidates, so
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.optim import module_parameters, restrict_param_groups
-from lightning_naspipe.planner import BlockSpec, CandidateSpec, SpaceSpec
+from lightning_naspipe.space_spec import BlockSpec, CandidateSpec, SpaceSpec
 from lightning_naspipe.sampling import keyed_rng, uniform_architecture
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
 

@@ -1,0 +1,29 @@
+"""Search spaces described by costs: JSON round trip and validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_naspipe.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
+from test_planner import mixed_spec
+
+
+def test_spec_json_round_trip_and_validation() -> None:
+    spec = mixed_spec()
+    spec.sync_ms = 1.5
+    assert SpaceSpec.from_json(spec.to_json()) == spec
+    assert spec.labels() == {"a": 3, "b": 2, "c": 4}
+    with pytest.raises(ValueError, match="different candidate counts"):
+        SpaceSpec([BlockSpec("x", [CandidateSpec(1, 1)]), BlockSpec("x", [CandidateSpec(1, 1)] * 2)])
+    with pytest.raises(ValueError, match="exactly one"):
+        SpaceSpec([BlockSpec(None, [CandidateSpec(1, 1)] * 2)])
+    with pytest.raises(ValueError, match="parallel_slowdown must be >= 1"):
+        SpaceSpec([BlockSpec(None, [CandidateSpec(1, 1)])], parallel_slowdown=0.5)
+    with pytest.raises(ValueError, match="negative or NaN"):
+        SpaceSpec([BlockSpec(None, [CandidateSpec(float("nan"), 1)])])
+
+
+def test_wide_spec_has_equal_stateful_candidates() -> None:
+    spec = wide_spec(5, blocks=3, block_ms=2.0)
+    assert spec.labels() == {"block0": 5, "block1": 5, "block2": 5}
+    assert all(c == CandidateSpec(2.0, 4.0, True) for b in spec.blocks for c in b.candidates)
