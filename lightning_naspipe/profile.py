@@ -252,7 +252,8 @@ def pipeline_overheads(supernet: Supernet, sample_input: Any, rounds: int = 30) 
     receives a message per path (``parallel_slowdown``: the compute's slowdown from sharing the
     cores, with each other and with the transport's threads); receive the activation a stage
     boundary carries while its sender computes (``message_ms``: the wait beyond a message's own
-    time, ``message_cpu_ms``); and share a window's losses (``sync_ms``).
+    time, ``message_cpu_ms``); and share a window's losses plus the flag Lightning's training loop
+    broadcasts before every batch (``sync_ms``).
 
     Args:
         supernet: the search space (each process trains its own copy).
@@ -345,6 +346,7 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
         dist.barrier()
         t0 = time.perf_counter()
         link.share_losses([torch.zeros(())] * 16)
+        dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)  # Lightning's per-batch SIGTERM flag
         sync.append(time.perf_counter() - t0)
     medians = torch.tensor([statistics.median(send + receive) if rank == 0 else 0.0,
                             statistics.mean(waited[1:]) if rank == 1 else 0.0])  # the mean: waits come in bursts

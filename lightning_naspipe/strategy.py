@@ -35,17 +35,17 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
+from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.callback import NASPipeCallback, validate_run
 from lightning_naspipe.data import DataTracker, WindowLoader
 from lightning_naspipe.distributed import drop_foreign_state, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
-from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
-from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
-from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
+from lightning_naspipe.schedule import SCHEDULES
+from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport import P2PTransport
 
 
