@@ -24,6 +24,15 @@ def broadcast_object(obj: Any, src: int, device: torch.device) -> Any:
     return holder[0]
 
 
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order (collective when there are several ranks)."""
+    if world_size == 1:
+        return [obj]
+    parts: list[Any] = [None] * world_size
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def broadcast_tensors_(tensors: Iterable[Tensor], src: int, device: torch.device) -> None:
     """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place."""
     nccl = dist.get_backend() == "nccl"

@@ -81,6 +81,15 @@ class Engine:
         """The blocks this stage runs."""
         return self.stage_blocks[self.stage]
 
+    def metrics(self) -> dict[str, float]:
+        """This stage's offload accounting and telemetry (``offload/<stat>``, ``telemetry/<stat>``)."""
+        found: dict[str, float] = {}
+        if self.offloader is not None:
+            found.update({f"offload/{k}": v for k, v in self.offloader.stats.as_metrics().items()})
+        if self.telemetry is not None:
+            found.update({f"telemetry/{k}": v for k, v in self.telemetry.metrics().items()})
+        return found
+
     def train_window(self, module: EngineModule, batches: Sequence[Any], first_index: int) -> Window:
         """Train subnets ``first_index, first_index + 1, ...`` on ``batches``, one batch each.
 

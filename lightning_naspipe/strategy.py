@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.callback import NASPipeCallback, validate_run
 from lightning_naspipe.data import DataTracker, WindowLoader
-from lightning_naspipe.distributed import drop_foreign_state, gather_optimizer_state, sync_stage_weights
+from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
@@ -331,26 +331,15 @@ class NASPipeStrategy(ParallelStrategy):
     def stage_metrics(self) -> dict[str, float]:
         """Every stage's offload accounting and telemetry, keyed ``offload/<stat>_stage<k>`` and
         ``telemetry/<stat>_stage<k>``; the same on every rank (collective when there is any)."""
-        if self.engine is None or (self.engine.offloader is None and self.engine.telemetry is None):
+        mine = self.engine.metrics() if self.engine is not None else {}
+        if not mine:  # offload and telemetry are off on every rank alike
             return {}
-        mine = {}
-        if self.engine.offloader is not None:
-            mine.update({f"offload/{k}": v for k, v in self.engine.offloader.stats.as_metrics().items()})
-        if self.engine.telemetry is not None:
-            mine.update({f"telemetry/{k}": v for k, v in self.engine.telemetry.metrics().items()})
-        stages = self._gather(mine)
+        stages = gather_objects(mine, self.world_size)
         return {f"{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, obj)
-        return parts
 
     def _write_trace(self) -> None:
         assert self.engine is not None and self.engine.telemetry is not None and self.trace_dir is not None
-        events = [e for part in self._gather(self.engine.telemetry.chrome_events()) for e in part]
+        events = [e for part in gather_objects(self.engine.telemetry.chrome_events(), self.world_size) for e in part]
         if self.is_global_zero:
             write_trace_files(self.trace_dir, events)
 

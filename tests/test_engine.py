@@ -168,3 +168,12 @@ def test_scheduling_resources_per_mode() -> None:
     assert order == ["F0.0", "B0.0", "U0", "F1.0", "B1.0", "U1", "F2.0", "B2.0", "U2"]
     with pytest.raises(ValueError, match="unknown schedule"):
         scheduling_resources("fast", real)
+
+
+def test_metrics_name_each_source_and_are_empty_without_one() -> None:
+    from lightning_naspipe.telemetry import StageTelemetry
+
+    assert Engine([range(2)]).metrics() == {}
+    found = Engine([range(2)], telemetry=StageTelemetry(0)).metrics()
+    assert found and all(name.startswith("telemetry/") for name in found)
+    assert "telemetry/busy_s" in found
