@@ -15,6 +15,7 @@ carry the same shapes subnet after subnet, so in steady state a value is a singl
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -103,10 +104,7 @@ def unpack(buffer: Tensor, requires_grad: bool) -> Any:
 
 
 def _view(buffer: Tensor, offset: int, dtype: torch.dtype, shape: Any) -> Tensor:
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(size) for size in shape) * dtype.itemsize
     return buffer[offset: offset + nbytes].view(dtype).view(tuple(shape))
 
 
