@@ -1,12 +1,13 @@
-"""Measured block costs for the default stage split.
+"""Measured block costs: the default stage split's weights and the planner profile's timings.
 
 Parameter counts are a poor proxy for compute (convolutions at high resolution, attention), so
-when the module gives an example input the strategy balances stages by time measured here. The
-blocks are timed *as training runs them*: whole paths through the supernet, forward block by
-block and then backward block by block, path ``k`` taking candidate ``k`` of every choice block.
-Timing an op alone, again and again on the same input, keeps its weights and activations in
-cache and undercounts the blocks with many weights (seen: a SPOS CNN's stage shares off by 20
-points).
+when the module gives an example input the strategy balances stages by time measured here. Blocks
+are timed *as training runs them* (:func:`time_paths`): whole paths through the supernet, path
+``r`` taking candidate ``r mod n`` of every block, forward block by block and then one backward,
+so inputs have the right shapes and caches are as cold as in training, where the ops keep
+changing. Timing an op alone, again and again on the same input, keeps its weights and
+activations in cache and undercounts the blocks with many weights (seen: a SPOS CNN's stage
+shares off by 20 points). :func:`~.profile.profile_supernet` uses the same paths.
 """
 
 from __future__ import annotations
@@ -14,23 +15,81 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.executor import tensors_of
+from lightning_naspipe.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
+
+
+class BlockFailure(RuntimeError):
+    """A block failed while being timed; ``index`` is the block (``None``: in the backward pass)."""
+
+    def __init__(self, index: int | None, error: BaseException) -> None:
+        self.index = index
+        where = f"block {index}" if index is not None else "the backward pass"
+        super().__init__(f"{where} failed ({type(error).__name__}: {error})")
+
+
+@dataclass
+class PathTimes:
+    """Seconds measured by :func:`time_paths`, warm-up excluded.
+
+    Attributes:
+        forward: per block, per candidate, one value per timed path that took it.
+        backward: the same for the backward.
+        update: the optimizer step per stateful op, one value per timed path (none without an optimizer).
+    """
+
+    forward: list[list[list[float]]]
+    backward: list[list[list[float]]]
+    update: list[float] = field(default_factory=list)
+
+
+def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
+               clock: Callable[[], float] = time.perf_counter,
+               optimizer: torch.optim.Optimizer | None = None) -> PathTimes:
+    """Train paths through ``ops`` (per block, its candidates) and time every block of each.
+
+    One warm-up round, then ``repeats`` rounds of ``max(len(c) for c in ops)`` paths. A block's
+    backward ends when the gradient of its input is computed (a hook on it); the first blocks,
+    whose inputs need no gradient, end when the backward returns. With an ``optimizer`` (over the
+    ops' parameters), each path ends with a step restricted to the path's parameters, as the
+    engine updates a subnet. Modifies the ops (gradients, buffers, optimizer state): time copies.
+
+    Raises:
+        BlockFailure: a block's forward or the backward raised.
+    """
+    for candidates in ops:
+        for op in candidates:
+            op.train()
+    paths = max(len(c) for c in ops)
+    times = PathTimes([[[] for _ in c] for c in ops], [[[] for _ in c] for c in ops])
+    for run in range((repeats + 1) * paths):  # the first round warms up kernels and optimizer state
+        picks = [run % len(c) for c in ops]
+        forward, backward, update = _time_path([c[k] for c, k in zip(ops, picks)], example_input, optimizer, run,
+                                               clock)
+        if run >= paths:
+            for i, k in enumerate(picks):
+                times.forward[i][k].append(forward[i])
+                times.backward[i][k].append(backward[i])
+            times.update += update
+    return times
 
 
 def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int = 4, repeats: int = 2) -> list[float]:
     """Each block's measured forward + backward seconds for one subnet batch.
 
-    Trains (forward and backward, no update) ``per_block`` paths through copies of the first
-    ``per_block`` candidates of each choice block, one warm-up round and then ``repeats`` rounds.
-    A block's weight is the mean over paths of its fastest round (other jobs on a machine only
-    ever add time). Runs inside a forked RNG on copies, so the supernet's weights, buffers and
-    the global RNG are untouched.
+    Trains (forward and backward, no update) paths through copies of the first ``per_block``
+    candidates of each choice block (:func:`time_paths`). A block's weight is the mean over those
+    candidates of their fastest round (other jobs on a machine only ever add time). Runs inside a
+    forked RNG on copies, so the supernet's weights, buffers and the global RNG are untouched.
 
     Args:
         supernet: the search space.
@@ -42,16 +101,17 @@ def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int =
         NASPipeConfigError: a block cannot run on the example input (or on the previous block's output).
     """
     copies = [[copy.deepcopy(op) for op in _candidates(block)[:per_block]] for block in supernet.blocks]
-    paths = max(len(ops) for ops in copies)
-    fastest = [[float("inf")] * paths for _ in copies]
     with torch.random.fork_rng(devices=[]):
-        for round_ in range(repeats + 1):
-            for k in range(paths):
-                seconds = _time_path([ops[k % len(ops)] for ops in copies], example_input)
-                for b, took in enumerate(seconds):
-                    if round_:  # round 0 warms up (allocator, lazy kernels)
-                        fastest[b][k] = min(fastest[b][k], took)
-    return [sum(times) / len(times) for times in fastest]
+        try:
+            times = time_paths(copies, example_input, repeats)
+        except BlockFailure as error:
+            raise NASPipeConfigError(
+                f"Timing {error} of the supernet on the example input. supernet_example_input must be what the "
+                "first block receives for one subnet batch (pipeline_input(batch)); or pass "
+                "NASPipeStrategy(balance=[...])."
+            ) from error
+    return [sum(min(f + b for f, b in zip(fs, bs)) for fs, bs in zip(forward, backward)) / len(forward)
+            for forward, backward in zip(times.forward, times.backward)]
 
 
 def agreed_timed_weights(supernet: Supernet, example_input: Any, timing_rank: bool,
@@ -75,54 +135,41 @@ def _candidates(block: nn.Module) -> list[nn.Module]:
     return list(block.candidates) if isinstance(block, ChoiceBlock) else [block]
 
 
-def _time_path(path: list[nn.Module], x: Any) -> list[float]:
-    """Seconds per block of one forward and backward along ``path``, each block its own graph
-    (as each pipeline stage is)."""
-    inputs, outputs, seconds = [], [], []
-    index = 0
+def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer | None, run: int,
+               clock: Callable[[], float]) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of each block's forward and backward along ``path``, and of its update per stateful op."""
+    n = len(path)
+    forward, done = [0.0] * n, [0.0] * (n + 1)
+    for i, op in enumerate(path):
+        for t in tensors_of(x):
+            if t.requires_grad:
+                stamp = lambda grad, i=i: done.__setitem__(i, max(done[i], clock()))  # noqa: E731
+                t.register_hook(stamp)  # type: ignore[no-untyped-call]
+        t0 = clock()
+        try:
+            with keyed_rng(torch.device("cpu"), 0, run, i, 0):
+                x = op(x)
+        except Exception as error:
+            raise BlockFailure(i, error) from error
+        forward[i] = clock() - t0
+    outs = [o for o in tensors_of(x) if o.requires_grad]
+    done[n] = clock()
     try:
-        for index, op in enumerate(path):
-            x = _leaf(x)
-            start = time.perf_counter()
-            y = op(x)
-            seconds.append(time.perf_counter() - start)
-            inputs.append(x)
-            outputs.append(y)
-            x = y
-        grads: list[Tensor] | None = None  # the gradients for the current block's outputs
-        for index in reversed(range(len(path))):
-            start = time.perf_counter()
-            outs = _tensors(outputs[index])
-            pairs = [(o, g) for o, g in zip(outs, grads if grads is not None else [None] * len(outs))
-                     if o.requires_grad]
-            if pairs and grads is None:  # the last block: a stand-in loss
-                torch.autograd.backward([o.float().sum() for o, _ in pairs])
-            elif pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            seconds[index] += time.perf_counter() - start
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _tensors(inputs[index])]
+        if outs:
+            sum(o.float().sum() for o in outs).backward()  # type: ignore[union-attr]
     except Exception as error:
-        raise NASPipeConfigError(
-            f"Timing block {index} of the supernet on the example input failed ({type(error).__name__}: {error}). "
-            "supernet_example_input must be what the first block receives for one subnet batch "
-            "(pipeline_input(batch)); or pass NASPipeStrategy(balance=[...])."
-        ) from error
-    return seconds
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    return [v for v in value if isinstance(v, Tensor)] if isinstance(value, (tuple, list)) else []
-
-
-def _leaf(value: Any) -> Any:
-    """``value`` cut from any graph, its floating-point tensors requiring grad (a stage's input)."""
-    def leaf(t: Tensor) -> Tensor:
-        return t.detach().requires_grad_(t.is_floating_point())
-
-    if isinstance(value, Tensor):
-        return leaf(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(leaf(v) if isinstance(v, Tensor) else v for v in value)
-    return value
+        raise BlockFailure(None, error) from error
+    end = clock()
+    done = [t or end for t in done]
+    backward = [max(done[i] - done[i + 1], 0.0) for i in range(n)]
+    stateful = [op for op in path if any(p.grad is not None for p in op.parameters())]
+    params = module_parameters(stateful)
+    update = []
+    if optimizer is not None and stateful:
+        t0 = clock()
+        with restrict_param_groups(optimizer, params):
+            optimizer.step()
+        update = [(clock() - t0) / len(stateful)]
+    for p in params:
+        p.grad = None
+    return forward, backward, update

@@ -188,7 +188,7 @@ class StageExecutor:
         else:
             assert self.transport is not None
             grads = self.transport.recv_gradient(k, c)
-            pairs = [(o, g) for o, g in zip(_tensors(outputs), _tensors(grads)) if o.requires_grad]
+            pairs = [(o, g) for o, g in zip(tensors_of(outputs), tensors_of(grads)) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self.is_first:
@@ -196,20 +196,21 @@ class StageExecutor:
             self.transport.send_gradient(k, c, _input_grads(inputs))
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def tensors_of(value: Any) -> list[Tensor]:
+    """The tensors of a block's input or output: the tensor itself, or a tuple's or list's tensors."""
     if isinstance(value, Tensor):
         return [value]
-    return [v for v in value if isinstance(v, Tensor)]
+    return [v for v in value if isinstance(v, Tensor)] if isinstance(value, (tuple, list)) else []
 
 
 def _input_grads(inputs: Any) -> Any:
     """The gradient for each tensor the previous stage sent (zeros where none flowed)."""
-    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _tensors(inputs)]
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors_of(inputs)]
     return grads[0] if isinstance(inputs, Tensor) else tuple(grads)
 
 
 def _device_of(value: Any) -> torch.device:
-    for tensor in _tensors(value) if isinstance(value, (Tensor, list, tuple)) else []:
+    for tensor in tensors_of(value):
         return tensor.device
     return torch.device("cpu")
 

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_naspipe.block_timing import time_paths
 from lightning_naspipe.engine import Engine
-from lightning_naspipe.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.executor import tensors_of
+from lightning_naspipe.sampling import uniform_architecture
 from lightning_naspipe.space_spec import BlockSpec, CandidateSpec, SpaceSpec
-from lightning_naspipe.sampling import keyed_rng, uniform_architecture
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
 
 __all__ = ["lightning_overheads", "pipeline_overheads", "profile_supernet"]
@@ -68,27 +69,14 @@ def profile_supernet(supernet: Supernet, sample_input: Any, repeats: int = 3,
 
 def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats: int,
                     clock: Callable[[], float]) -> tuple[list[BlockSpec], float]:
-    """Per-candidate costs, and the update's per resource, training paths that cycle through candidates."""
-    net.train()
+    """Per-candidate costs (medians), and the update's per resource, training paths through every candidate."""
     ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
-    opt = optimizer(list(net.parameters()))
-    rounds = max(len(c) for c in ops)
-    forward: list[list[list[float]]] = [[[] for _ in c] for c in ops]
-    backward: list[list[list[float]]] = [[[] for _ in c] for c in ops]
-    update: list[float] = []
-    for run in range((repeats + 1) * rounds):  # the first round warms up kernels and optimizer state
-        picks = [run % len(c) for c in ops]  # caches are as cold as in training, where ops keep changing
-        f, b, u = _time_subnet([c[k] for c, k in zip(ops, picks)], x, opt, run, clock)
-        if run >= rounds:
-            for i, k in enumerate(picks):
-                forward[i][k].append(f[i])
-                backward[i][k].append(b[i])
-            update += u
+    times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())))
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
                         [CandidateSpec(1000 * statistics.median(f), 1000 * statistics.median(b), _has_state(op))
-                         for op, f, b in zip(ops[i], forward[i], backward[i])])
+                         for op, f, b in zip(ops[i], times.forward[i], times.backward[i])])
               for i, block in enumerate(net.blocks)]
-    return blocks, 1000 * statistics.median(update) if update else 0.0
+    return blocks, 1000 * statistics.median(times.update) if times.update else 0.0
 
 
 class _NullModule:
@@ -140,49 +128,6 @@ def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4,
 
 def _has_state(op: nn.Module) -> bool:
     return any(True for _ in op.parameters()) or any(True for _ in op.buffers())
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    return [v for v in value if isinstance(v, Tensor)] if isinstance(value, (tuple, list)) else []
-
-
-def _time_subnet(path: list[nn.Module], x: Any, opt: torch.optim.Optimizer, run: int,
-                 clock: Callable[[], float]) -> tuple[list[float], list[float], list[float]]:
-    """Seconds of each block's forward and backward along ``path``, and of its update per resource.
-
-    Trains the path as the engine trains a subnet on one stage: forward block by block (keyed RNG),
-    one backward from a proxy loss (the sum of the output), a restricted optimizer step. A block's
-    backward ends when the gradient of its input is computed (a hook on it); the first blocks, whose
-    inputs need no gradient, end when the backward returns.
-    """
-    n = len(path)
-    forward, done = [0.0] * n, [0.0] * (n + 1)
-    for i, op in enumerate(path):
-        for t in _tensors(x):
-            if t.requires_grad:
-                stamp = lambda grad, i=i: done.__setitem__(i, max(done[i], clock()))  # noqa: E731
-                t.register_hook(stamp)  # type: ignore[no-untyped-call]
-        t0 = clock()
-        with keyed_rng(torch.device("cpu"), 0, run, i, 0):
-            x = op(x)
-        forward[i] = clock() - t0
-    outs = [o for o in _tensors(x) if o.requires_grad]
-    done[n] = clock()
-    if outs:
-        sum(o.float().sum() for o in outs).backward()  # type: ignore[union-attr]
-    end = clock()
-    done = [t or end for t in done]
-    backward = [max(done[i] - done[i + 1], 0.0) for i in range(n)]
-    stateful = [op for op in path if any(p.grad is not None for p in op.parameters())]
-    params = module_parameters(stateful)
-    t0 = clock()
-    with restrict_param_groups(opt, params):
-        opt.step()
-    for p in params:
-        p.grad = None
-    return forward, backward, [(clock() - t0) / len(stateful)] if stateful else []
 
 
 def lightning_overheads(batch_size: int = 1, features: int = 1, steps: int = 512) -> dict[str, float]:
@@ -301,7 +246,7 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
             y = x
             for op in path:
                 y = op(y)
-            sum(t.float().sum() for t in _tensors(y)).backward()  # type: ignore[union-attr]
+            sum(t.float().sum() for t in tensors_of(y)).backward()  # type: ignore[union-attr]
             took.append(time.perf_counter() - start)
             if exchange:
                 link.recv_value(1 - rank)
