@@ -101,14 +101,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
 
 
-def worker_config(args: argparse.Namespace) -> dict[str, Any] | None:
-    """In worker mode, the configuration to run (threads already pinned to 1); else ``None``."""
+def ran_as_worker(args: argparse.Namespace, worker: Callable[[dict[str, Any]], None]) -> bool:
+    """In worker mode (``--worker CONFIG``), run ``worker`` on the configuration with one intra-op
+    thread and a fixed seed, and say so; else ``False`` (the script is the parent)."""
     if not args.worker:
-        return None
+        return False
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    cfg: dict[str, Any] = json.loads(args.worker)
-    return cfg
+    worker(json.loads(args.worker))
+    return True
 
 
 def launch(script: str, cfg: dict[str, Any], repeats: int = 1, timeout: float = 600.0) -> Result:

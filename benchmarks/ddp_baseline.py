@@ -25,7 +25,7 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor
 
-from common import Result, add_common_args, bar_chart, fit_timed, launch, machine, plot, print_table, worker_config
+from common import Result, add_common_args, bar_chart, fit_timed, launch, machine, plot, print_table, ran_as_worker
 from common import write_json
 from lightning_naspipe.sampling import uniform_architecture
 from space_sweep import CharLM, text_loader
@@ -84,9 +84,7 @@ def main() -> None:
     parser.add_argument("--plot", default="docs/ddp_baseline.png")
     add_common_args(parser)
     args = parser.parse_args()
-    cfg = worker_config(args)
-    if cfg is not None:
-        worker(cfg)
+    if ran_as_worker(args, worker):
         return
     if args.quick:
         args.layers, args.width, args.subnets, args.warmup, args.window = 4, 64, 48, 16, 16

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from common import Result, add_common_args, fit_timed, launch, machine, naspipe_strategy, ok, worker_config
+from common import Result, add_common_args, fit_timed, launch, machine, naspipe_strategy, ok, ran_as_worker
 from common import write_json
 from overlap import WideSpace, config, space_args, wide_loader
 
@@ -49,9 +49,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     add_common_args(parser)
     args = parser.parse_args()
-    cfg = worker_config(args)
-    if cfg is not None:
-        worker(cfg)
+    if ran_as_worker(args, worker):
         return
     print(f"{args.stages} stages, window {args.window}, {args.blocks} choice blocks of width {args.width}, Adam; "
           f"{machine(short=True)}")

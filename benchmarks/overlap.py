@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_naspipe as lnp
 from common import Result, add_common_args, fit_timed, launch, machine, naspipe_strategy, print_table
-from common import worker_config, write_json
+from common import ran_as_worker, write_json
 
 #: (label, stages, window)
 CONFIGS = [("1 device", 0, 1), ("2 stages, window 1", 2, 1), ("2 stages, window 16", 2, 16)]
@@ -77,9 +77,7 @@ def main() -> None:
     space_args(parser)
     add_common_args(parser)
     args = parser.parse_args()
-    cfg = worker_config(args)
-    if cfg is not None:
-        worker(cfg)
+    if ran_as_worker(args, worker):
         return
     results: dict[str, Result] = {name: launch(__file__, config(args, stages, window), args.repeats)
                                   for name, stages, window in CONFIGS}

@@ -74,7 +74,8 @@ def main() -> None:
                        "overheads": {k: getattr(spec, k) for k in RUN_OVERHEADS}})
         print(f"round {r + 1}: " + ", ".join(f"{name} {rounds[-1]['predicted'][name]:.1f} predicted / "
                                              f"{rounds[-1]['measured'][name]:.1f} measured" for name, _, _ in CONFIGS))
-    print(f"\nspace: {args.blocks} choice blocks x {args.candidates} candidates, width {args.width}, batch {args.batch};"
+    print(f"\nspace: {args.blocks} choice blocks x {args.candidates} candidates, width {args.width}, "
+          f"batch {args.batch};"
           f" {machine()}; median (range) of {args.rounds} rounds, subnets/s")
     print(f"{'configuration':<22}{'predicted':>20}{'measured':>20}{'error':>8}{'compute-only':>15}")
     for name, _, _ in CONFIGS:

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_naspipe as lnp
 from common import Result, add_common_args, fit_timed, launch, machine, naspipe_strategy, plot, print_table, rate
-from common import ratio, time_balance, worker_config, write_json
+from common import ran_as_worker, ratio, time_balance, write_json
 from lightning_naspipe.sampling import uniform_architecture
 from schedule_model import modelled_speedup, ranges_of
 
@@ -209,9 +209,7 @@ def main() -> None:
     parser.add_argument("--plot", default="docs/space_sweep.png")
     add_common_args(parser)
     args = parser.parse_args()
-    cfg = worker_config(args)
-    if cfg is not None:
-        worker(cfg)
+    if ran_as_worker(args, worker):
         return
     if args.quick:
         args.candidates, args.layers, args.width, args.subnets, args.warmup, args.window = [4, 32], 4, 64, 48, 16, 16

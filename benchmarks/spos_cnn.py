@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_naspipe as lnp
 from common import Result, add_common_args, bar_chart, fit_timed, launch, machine, naspipe_strategy, plot
-from common import print_table, time_balance, worker_config, write_json
+from common import print_table, ran_as_worker, time_balance, write_json
 from lightning_naspipe.sampling import uniform_architecture
 from schedule_model import modelled_speedup, ranges_of
 
@@ -130,9 +130,7 @@ def main() -> None:
     parser.add_argument("--plot", default="docs/spos_cnn.png")
     add_common_args(parser)
     args = parser.parse_args()
-    cfg = worker_config(args)
-    if cfg is not None:
-        worker(cfg)
+    if ran_as_worker(args, worker):
         return
     configs = CONFIGS
     if args.quick:

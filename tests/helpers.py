@@ -110,3 +110,21 @@ def train(strategy: Any = None, seed: int = 7, model_cls: type = ToyNet, loader:
     trainer = pl.Trainer(**kwargs)
     trainer.fit(model, loader if loader is not None else toy_loader(), val_loader)
     return model, trainer
+
+
+def spawn_gloo_pair(worker: Any) -> dict[str, Any]:
+    """Run ``worker(rank, port, results)`` in two fresh processes; what they put in ``results``.
+
+    The worker joins a gloo process group on ``127.0.0.1:port`` itself.
+    """
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(port, results), nprocs=2, join=True)
+        return dict(results)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_naspipe.distributed import broadcast_object, gather_objects
+from helpers import spawn_gloo_pair
 
 pytestmark = pytest.mark.slow
 
@@ -25,15 +24,10 @@ def _worker(rank: int, port: int, results: dict) -> None:
 
 
 def test_every_rank_gets_every_ranks_object_in_rank_order() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(port, results), nprocs=2, join=True)
-        expected = [{"rank": 0, "stat": 0.0}, {"rank": 1, "stat": 0.5}]
-        assert results["gathered0"] == results["gathered1"] == expected
-        assert results["broadcast0"] == results["broadcast1"] == ("from rank 1", [1])
+    results = spawn_gloo_pair(_worker)
+    expected = [{"rank": 0, "stat": 0.0}, {"rank": 1, "stat": 0.5}]
+    assert results["gathered0"] == results["gathered1"] == expected
+    assert results["broadcast0"] == results["broadcast1"] == ("from rank 1", [1])
 
 
 def test_one_rank_gathers_without_a_process_group() -> None:

@@ -6,7 +6,6 @@ import statistics
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ from lightning_naspipe.engine import Engine
 from lightning_naspipe.planner import CAUSES, BlockSpec, CandidateSpec, SpaceSpec, plan, simulate, wide_spec
 from lightning_naspipe.profile import profile_supernet
 from lightning_naspipe.sampling import uniform_architecture
+from test_engine import FakeModule as EngineFakeModule
 
 
 def mixed_spec() -> SpaceSpec:
@@ -122,30 +122,17 @@ def test_cli_prints_a_table() -> None:
     assert "skipped stage counts [16, 32, 64]" in done.stdout
 
 
-class FakeModule:
-    """What the engine needs of a NASPipe LightningModule, without Lightning (as in test_engine.py)."""
+class FakeModule(EngineFakeModule):
+    """test_engine.py's stand-in for a NASPipe LightningModule, with SGD and a regression loss."""
 
     naspipe_seed = 3
 
     def __init__(self, supernet: lnp.Supernet) -> None:
-        self.supernet = supernet
+        super().__init__(supernet)
         self.optimizer = torch.optim.SGD(supernet.parameters(), lr=0.01, momentum=0.9)
-        self.trainer = SimpleNamespace(lr_scheduler_configs=[], callback_metrics={})
-
-    def sample_subnet(self, index: int) -> dict[str, int]:
-        return uniform_architecture(self.supernet.labels, self.naspipe_seed, index)
-
-    def pipeline_input(self, batch: Any) -> Any:
-        return batch[0]
 
     def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         return nn.functional.mse_loss(output, batch[1])
-
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()  # type: ignore[no-untyped-call]
-
-    def optimizers(self) -> Any:
-        return SimpleNamespace(optimizer=self.optimizer, step=self.optimizer.step)
 
 
 def test_profile_predicts_the_engine_on_one_stage() -> None:

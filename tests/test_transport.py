@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_naspipe.schedule import build_schedule
 from lightning_naspipe.transport import P2PTransport
+from helpers import spawn_gloo_pair
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +62,10 @@ def _same(a: object, b: object) -> bool:
 
 
 def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(port, results), nprocs=2, join=True)
-        assert results["ok"] and results["grad"]
-        assert all(results[f"steady{i}"] for i in range(len(STEADY)))
-        # The first value of a new size is announced once; the others are a single message each.
-        assert results["steady_messages0"] == len(STEADY) + 1
-        assert results["shared0"] == results["shared1"] == "from the last stage"
+    results = spawn_gloo_pair(_worker)
+    assert results["ok"] and results["grad"]
+    assert all(results[f"steady{i}"] for i in range(len(STEADY)))
+    # The first value of a new size is announced once; the others are a single message each.
+    assert results["steady_messages0"] == len(STEADY) + 1
+    assert results["shared0"] == results["shared1"] == "from the last stage"
 
