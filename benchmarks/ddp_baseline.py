@@ -28,7 +28,7 @@ from torch import Tensor
 from common import Result, add_common_args, bar_chart, fit_timed, launch, machine, plot, print_table, ran_as_worker
 from common import write_json
 from lightning_naspipe.sampling import uniform_architecture
-from space_sweep import CharLM, text_loader
+from space_sweep import CharLM, model_args, text_loader
 
 SPACE_SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "space_sweep.py")
 SEMANTICS = ("DDP rows are NOT reproducible against the sequential run and train something else: each update\n"
@@ -73,13 +73,7 @@ def worker(cfg: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--candidates", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per subnet (per rank and step for DDP)")
-    parser.add_argument("--subnets", type=int, default=160, help="subnets per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=32)
-    parser.add_argument("--window", type=int, default=32)
+    model_args(parser)
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer subnets")
     parser.add_argument("--plot", default="docs/ddp_baseline.png")
     add_common_args(parser)

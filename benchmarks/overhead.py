@@ -41,7 +41,7 @@ from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.schedule import build_schedule
-from space_sweep import CharLM, text_loader
+from space_sweep import CharLM, model_args, text_loader
 
 SPACE_SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "space_sweep.py")
 PACKAGE = os.path.dirname(os.path.abspath(lnp.__file__))
@@ -126,14 +126,8 @@ def profile_share(args: argparse.Namespace) -> tuple[float, float, list[tuple[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--candidates", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--window", type=int, default=32)
+    model_args(parser)
     parser.add_argument("--chunks", type=int, default=1)
-    parser.add_argument("--subnets", type=int, default=160, help="subnets per timed run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer subnets")
     parser.add_argument("--plot", default="docs/overhead.png")
     add_common_args(parser)

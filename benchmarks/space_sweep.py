@@ -193,16 +193,21 @@ def draw(results: dict[int, dict[str, Result]], stage_counts: list[int]) -> Any:
     return render
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--candidates", type=int, nargs="+", default=[4, 8, 16, 32, 48])
+def model_args(parser: argparse.ArgumentParser) -> None:
+    """The char-LM space's and the run's flags (also used by ``ddp_baseline.py`` and ``overhead.py``)."""
     parser.add_argument("--layers", type=int, default=8, help="choice blocks of transformer layers")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64, help="bytes per sequence")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per subnet (per training step)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per subnet (per rank and step for DDP)")
     parser.add_argument("--subnets", type=int, default=160, help="subnets trained per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--window", type=int, default=32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--candidates", type=int, nargs="+", default=[4, 8, 16, 32, 48])
+    model_args(parser)
     parser.add_argument("--stages", type=int, nargs="+", default=[2], help="pipeline stage counts, e.g. 2 4")
     parser.add_argument("--shared-io", action="store_true", help="embedding and head as fixed (shared) blocks")
     parser.add_argument("--quick", action="store_true", help="4 and 32 candidates, a smaller model, fewer subnets")
