@@ -38,7 +38,7 @@ import lightning_naspipe as lnp
 from common import Result, add_common_args, launch, machine, ok, plot, write_json
 from lightning_naspipe.schedule import scheduling_resources
 from lightning_naspipe.microbatch import split_batch
-from lightning_naspipe.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.optim import resource_parameters, restrict_param_groups
 from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.schedule import build_schedule
 from space_sweep import CharLM, model_args, text_loader
@@ -69,8 +69,8 @@ def bookkeeping(module: CharLM, ranges: list[range], window: int, chunks: int, s
 
     def update_bookkeeping(stage: int) -> None:
         for arch in archs:
-            params = module_parameters(supernet.resource_module(r) for r in sorted(supernet.resources(ranges[stage],
-                                                                                                        arch)))
+            params = resource_parameters(supernet.resource_state(r)
+                                         for r in sorted(supernet.resources(ranges[stage], arch)))
             with restrict_param_groups(optimizer, params):
                 pass  # the optimizer's math is compute, not bookkeeping
             for p in params:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_naspipe.boundary import tensors_in
+from lightning_naspipe.choice import active_architecture
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.executor import tensors_of
 from lightning_naspipe.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
@@ -131,6 +132,25 @@ def agreed_timed_weights(supernet: Supernet, example_input: Any, timing_rank: bo
     return list(weights)
 
 
+class _FirstCandidates(Mapping[str, int]):
+    """An architecture choosing the first candidate of every nested choice."""
+
+    def __getitem__(self, label: str) -> int:
+        return 0
+
+    def __contains__(self, label: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_FIRST_CANDIDATES = _FirstCandidates()
+
+
 def _candidates(block: nn.Module) -> list[nn.Module]:
     return list(block.candidates) if isinstance(block, ChoiceBlock) else [block]
 
@@ -141,18 +161,18 @@ def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer |
     n = len(path)
     forward, done = [0.0] * n, [0.0] * (n + 1)
     for i, op in enumerate(path):
-        for t in tensors_of(x):
+        for t in tensors_in(x):
             if t.requires_grad:
                 stamp = lambda grad, i=i: done.__setitem__(i, max(done[i], clock()))  # noqa: E731
                 t.register_hook(stamp)  # type: ignore[no-untyped-call]
         t0 = clock()
         try:
-            with keyed_rng(torch.device("cpu"), 0, run, i, 0):
+            with keyed_rng(torch.device("cpu"), 0, run, i, 0), active_architecture(_FIRST_CANDIDATES):
                 x = op(x)
         except Exception as error:
             raise BlockFailure(i, error) from error
         forward[i] = clock() - t0
-    outs = [o for o in tensors_of(x) if o.requires_grad]
+    outs = [o for o in tensors_in(x) if o.requires_grad]
     done[n] = clock()
     try:
         if outs:

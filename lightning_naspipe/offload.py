@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.supernet import ResourceState
 
 
 @dataclass
@@ -56,7 +57,7 @@ class _Resident:
 @dataclass
 class _Resource:
     params: list[torch.nn.Parameter]
-    buffers: list[tuple[torch.nn.Module, str]]
+    buffers: list[list[tuple[torch.nn.Module, str]]]  # per buffer tensor, every slot holding it (tied)
     host: list[Tensor] = field(default_factory=list)
 
 
@@ -64,7 +65,7 @@ class Offloader:
     """Moves a stage's resources between host memory and the compute device.
 
     Args:
-        modules: the stage's resources: key -> module (a candidate or a fixed block).
+        resources: the stage's resources: key -> its parameters and buffer slots.
         optimizer: the optimizer holding their parameters (its state moves with them).
         device: the compute device; on CPU a separate pool of tensors stands in for it.
         budget_bytes: optional cap on device-resident bytes; prefetching and caching stay
@@ -73,7 +74,7 @@ class Offloader:
             which counts gradients and optimizer state before they exist).
     """
 
-    def __init__(self, modules: Mapping[Any, torch.nn.Module], optimizer: Optimizer | None,
+    def __init__(self, resources: Mapping[Any, ResourceState], optimizer: Optimizer | None,
                  device: torch.device, budget_bytes: int | None = None,
                  reserve: Mapping[Any, int] | None = None) -> None:
         self.device = device
@@ -85,14 +86,15 @@ class Offloader:
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
         self._copier = None if self._cuda else ThreadPoolExecutor(max_workers=1, thread_name_prefix="naspipe-prefetch")
-        for key, module in modules.items():
-            resource = _Resource(params=[p for p in module.parameters()],
-                                 buffers=[(m, n) for m in module.modules() for n, b in m._buffers.items()
-                                          if b is not None])
+        for key, state in resources.items():
+            slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+            for m, n in state.buffers:
+                slots.setdefault(id(m._buffers[n]), []).append((m, n))
+            resource = _Resource(params=list(state.params), buffers=list(slots.values()))
             self._resources[key] = resource
             self._to_host(resource)
         self._reserve = dict(reserve) if reserve is not None else {
-            key: estimated_bytes(module, optimizer) for key, module in modules.items()}
+            key: estimated_bytes(state, optimizer) for key, state in resources.items()}
         # Bytes of each resource (parameters, buffers, optimizer state), wherever it lives.
         self._size = {key: self._bytes(key) for key in self._resources}
         self.stats.partition_bytes = sum(self._size.values())
@@ -159,7 +161,7 @@ class Offloader:
     def _tensors(self, resource: _Resource) -> list[Tensor]:
         """Current tensors of a resource: parameters, buffers, then optimizer state, in a fixed order."""
         out: list[Tensor] = [p.data for p in resource.params]
-        out += [m._buffers[n] for m, n in resource.buffers]  # type: ignore[misc]
+        out += [group[0][0]._buffers[group[0][1]] for group in resource.buffers]  # type: ignore[misc]
         for p in resource.params:
             out += [v for _, v in self._state_items(p)]
         return out
@@ -173,8 +175,10 @@ class Offloader:
         it = iter(tensors)
         for p in resource.params:
             p.data = next(it)
-        for m, n in resource.buffers:
-            m._buffers[n] = next(it)
+        for group in resource.buffers:
+            tensor = next(it)
+            for m, n in group:  # tied buffers stay one tensor
+                m._buffers[n] = tensor
         for p in resource.params:
             state = self.optimizer.state[p] if self.optimizer is not None and p in self.optimizer.state else {}
             for k, _ in self._state_items(p):
@@ -285,11 +289,12 @@ def _copy_all(targets: list[Tensor], sources: list[Tensor]) -> None:
         dst.copy_(src)
 
 
-def estimated_bytes(module: torch.nn.Module, optimizer: Optimizer | None) -> int:
+def estimated_bytes(state: ResourceState, optimizer: Optimizer | None) -> int:
     """Device bytes a resource needs while in flight: parameters, their gradients and optimizer
     state, and buffers. Computed from shapes only, so every stage process gets the same number."""
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    params = sum(p.numel() * p.element_size() for p in state.params)
+    unique = {id(m._buffers[n]): m._buffers[n] for m, n in state.buffers}
+    buffers = sum(b.numel() * b.element_size() for b in unique.values() if b is not None)
     return params * (2 + optimizer_state_factor(optimizer)) + buffers
 
 

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.supernet import ResourceState
 
 
 @contextlib.contextmanager
@@ -75,6 +76,16 @@ def module_parameters(modules: Iterable[nn.Module]) -> list[Tensor]:
     seen: dict[int, Tensor] = {}
     for module in modules:
         for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def resource_parameters(states: Iterable[ResourceState]) -> list[Tensor]:
+    """Trainable parameters of resources, each once."""
+    seen: dict[int, Tensor] = {}
+    for state in states:
+        for p in state.params:
             if p.requires_grad:
                 seen.setdefault(id(p), p)
     return list(seen.values())

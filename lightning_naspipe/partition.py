@@ -30,8 +30,17 @@ def block_weights(supernet: Supernet) -> list[float]:
     return weights
 
 
-def balanced_split(weights: Sequence[float], stages: int) -> list[int]:
-    """Blocks per stage for a contiguous split minimising the heaviest stage (exact, by DP)."""
+def balanced_split(weights: Sequence[float], stages: int, forbidden: frozenset[int] = frozenset()) -> list[int]:
+    """Blocks per stage for a contiguous split minimising the heaviest stage (exact, by DP).
+
+    Args:
+        weights: each block's cost.
+        stages: how many stages.
+        forbidden: cut positions not allowed (``j``: between blocks ``j - 1`` and ``j``).
+
+    Raises:
+        NASPipeConfigError: no split into ``stages`` avoids the forbidden cuts.
+    """
     count = len(weights)
     prefix = [0.0]
     for weight in weights:
@@ -44,9 +53,16 @@ def balanced_split(weights: Sequence[float], stages: int) -> list[int]:
     for s in range(1, stages + 1):
         for i in range(s, count - (stages - s) + 1):
             for j in range(s - 1, i):
+                if j in forbidden or best[s - 1][j] == inf:
+                    continue
                 cost = max(best[s - 1][j], prefix[i] - prefix[j])
                 if cost < best[s][i]:
                     best[s][i], cut[s][i] = cost, j
+    if best[stages][count] == inf:
+        raise NASPipeConfigError(
+            f"No split of the supernet's {count} blocks into {stages} stages keeps tied weights on one stage "
+            f"(cuts not allowed before blocks {sorted(forbidden)}); use fewer stages or untie the weights."
+        )
     sizes, i = [], count
     for s in range(stages, 0, -1):
         j = cut[s][i]
@@ -75,14 +91,21 @@ def stage_ranges(supernet: Supernet, stages: int, balance: Sequence[int] | None 
             f"{stages} pipeline stages but the supernet has only {count} blocks; every stage needs at least one "
             f"block. Use at most {count} stages (devices x nodes, or num_stages) or split the supernet into more blocks."
         )
+    forbidden = tied_cuts(supernet)
     if balance is None:
-        sizes = balanced_split(weights if weights is not None else block_weights(supernet), stages)
+        sizes = balanced_split(weights if weights is not None else block_weights(supernet), stages, forbidden)
     else:
         sizes = list(balance)
         if len(sizes) != stages or any(not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != count:
             raise NASPipeConfigError(
                 f"balance={list(balance)} must give a positive block count for each of the {stages} stages, "
                 f"summing to the supernet's {count} blocks (e.g. {balanced_split(block_weights(supernet), stages)})."
+            )
+        cuts = {sum(sizes[:s]) for s in range(1, stages)}
+        if cuts & forbidden:
+            raise NASPipeConfigError(
+                f"balance={sizes} cuts before block(s) {sorted(cuts & forbidden)}, between blocks that share a "
+                "parameter or buffer (tied weights must live on one stage); move the cut or leave balance unset."
             )
     ranges, start = [], 0
     for size in sizes:
@@ -91,20 +114,13 @@ def stage_ranges(supernet: Supernet, stages: int, balance: Sequence[int] | None 
     return ranges
 
 
-def check_no_shared_parameters(supernet: Supernet, ranges: Sequence[range]) -> None:
-    """Refuse a parameter or buffer used by blocks on two stages (e.g. tied weights)."""
-    owner: dict[int, int] = {}
-    for stage, blocks in enumerate(ranges):
-        for index in blocks:
-            block = supernet.blocks[index]
-            for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
-                first = owner.setdefault(id(tensor), stage)
-                if first != stage:
-                    raise NASPipeConfigError(
-                        f"Block {index} ({name}) shares a parameter or buffer with a block on stage {first}, but runs on "
-                        f"stage {stage}; tied weights must live on one stage. Pass balance=... so that the blocks "
-                        "sharing it are on the same stage, or untie them."
-                    )
+def tied_cuts(supernet: Supernet) -> frozenset[int]:
+    """Cut positions that would put one resource (tied weights, a module reused in two blocks) on two stages."""
+    forbidden: set[int] = set()
+    for key in supernet.stage_resources(range(len(supernet))):
+        blocks = supernet.resource_blocks(key)
+        forbidden.update(range(blocks[0] + 1, blocks[-1] + 1))
+    return frozenset(forbidden)
 
 
 def _numel(module: nn.Module) -> int:

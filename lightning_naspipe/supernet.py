@@ -2,130 +2,143 @@
 
 A *subnet* (architecture) is a ``dict[label, candidate index]``: one decision per label. Blocks
 that share a label share one decision, so a label must name blocks with equal candidate counts.
+Choices may also sit inside blocks and inside candidates (see :mod:`.choice`).
 
 A *resource* is something two subnets must not use at the same time on one stage without
-ordering (the CSP rule): a module holding trainable parameters or buffers. Parameter- and
-buffer-free modules (``nn.Identity``, pooling, activations) are no resource and conflict with
-nothing. Resources are keyed by the first place a module object appears, so a module reused in
-two places is one resource.
+ordering (the CSP rule): a set of parameters and buffers. Each block's module tree is cut into
+*scopes* at its choices (a fixed part, each candidate's part); scopes that share any tensor, a
+tied weight or a module reused in two places, are one resource, keyed by the path of the first
+such scope. Parameter- and buffer-free scopes (``nn.Identity``, pooling, activations) are no
+resource and conflict with nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Union
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_naspipe.choice import Architecture, ChoiceBlock, Scope, When, active_architecture, block_scope
 from lightning_naspipe.errors import NASPipeConfigError
 
-Architecture = dict[str, int]
-#: ``(block index, candidate index)``; candidate index is ``-1`` for a fixed block.
-Resource = tuple[int, int]
+__all__ = ["Architecture", "ChoiceBlock", "Resource", "ResourceState", "Supernet"]
+
+#: A resource's key: the path of its first scope, e.g. ``(block, candidate)``; candidate ``-1``
+#: for a fixed block, longer paths for nested choices (see :class:`~.choice.Scope`).
+Resource = tuple[int, ...]
 
 
-class ChoiceBlock(nn.Module):
-    """A block whose op is chosen per subnet among ``candidates``.
+@dataclass(frozen=True)
+class ResourceState:
+    """The tensors of one resource: its parameters (each once) and every buffer slot."""
 
-    Args:
-        candidates: a non-empty list of modules, or a dict mapping names to modules (the
-            candidate index is then the position in the dict's order).
-        label: blocks sharing a label share one decision. Defaults to a label unique to this
-            block (``"block{i}"`` by its position in the :class:`Supernet`).
-    """
-
-    def __init__(
-        self,
-        candidates: Union[Sequence[nn.Module], Mapping[str, nn.Module]],
-        label: str | None = None,
-    ) -> None:
-        super().__init__()
-        if isinstance(candidates, Mapping):
-            names, modules = list(candidates.keys()), list(candidates.values())
-        elif isinstance(candidates, Sequence) and not isinstance(candidates, (str, bytes)):
-            modules = list(candidates)
-            names = [str(i) for i in range(len(modules))]
-        else:
-            raise NASPipeConfigError(
-                f"ChoiceBlock candidates must be a list or dict of nn.Module, got {type(candidates).__name__}."
-            )
-        if not modules:
-            raise NASPipeConfigError(
-                "ChoiceBlock got no candidates: pass at least one nn.Module, e.g. ChoiceBlock([nn.Identity()])."
-            )
-        for name, module in zip(names, modules):
-            if not isinstance(module, nn.Module):
-                raise NASPipeConfigError(
-                    f"ChoiceBlock candidate {name!r} is a {type(module).__name__}, not an nn.Module."
-                )
-        if label is not None and not isinstance(label, str):
-            raise NASPipeConfigError(f"ChoiceBlock label must be a str, got {type(label).__name__}.")
-        self.candidate_names = names
-        self.candidates = nn.ModuleList(modules)
-        self.label = label
-
-    def __len__(self) -> int:
-        return len(self.candidates)
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        raise RuntimeError(
-            "A ChoiceBlock has no forward of its own: run it through Supernet.forward(x, architecture)."
-        )
+    params: tuple[nn.Parameter, ...]
+    buffers: tuple[tuple[nn.Module, str], ...]
 
 
 class Supernet(nn.Module):
     """The supernet: ``blocks`` applied in order; each block's output feeds the next.
 
+    A block passes one value to the next: a tensor, or any nesting of tuples, lists and dicts
+    of tensors and plain Python values (ints, ``None``, strings). Every block boundary is a
+    gradient boundary, so where the pipeline cuts never changes the arithmetic.
+
     Args:
-        *blocks: plain ``nn.Module`` blocks (fixed, used by every subnet) or :class:`ChoiceBlock`.
+        *blocks: plain ``nn.Module`` blocks (fixed, used by every subnet, possibly with
+            :class:`ChoiceBlock` inside), :class:`ChoiceBlock`, or an object with a
+            ``supernet_blocks()`` method (e.g. :class:`~.cells.Cell`), which contributes its blocks
+            in order so that the pipeline may cut inside it.
     """
 
     def __init__(self, *blocks: nn.Module) -> None:
         super().__init__()
         if len(blocks) == 1 and isinstance(blocks[0], (list, tuple)):
             blocks = tuple(blocks[0])
-        if not blocks:
+        expanded: list[nn.Module] = []
+        for i, block in enumerate(blocks):
+            expand = getattr(type(block), "supernet_blocks", None)
+            parts = expand(block) if callable(expand) else [block]
+            for part in parts:
+                if not isinstance(part, nn.Module):
+                    raise NASPipeConfigError(f"Supernet block {i} is a {type(part).__name__}, not an nn.Module.")
+                expanded.append(part)
+        if not expanded:
             raise NASPipeConfigError("Supernet needs at least one block: Supernet(block0, block1, ...).")
-        for i, block in enumerate(blocks):
-            if not isinstance(block, nn.Module):
-                raise NASPipeConfigError(f"Supernet block {i} is a {type(block).__name__}, not an nn.Module.")
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = nn.ModuleList(expanded)
         self.labels: dict[str, int] = {}  # label -> candidate count, in first-appearance order
-        for i, block in enumerate(blocks):
-            if not isinstance(block, ChoiceBlock):
-                continue
-            if block.label is None:
-                block.label = f"block{i}"
-            count = self.labels.setdefault(block.label, len(block))
-            if count != len(block):
-                raise NASPipeConfigError(
-                    f"Blocks sharing label {block.label!r} have different candidate counts ({count} and "
-                    f"{len(block)} at block {i}); give them equal counts or different labels."
-                )
-        self._resource_of = self._index_resources()
+        for i, block in enumerate(expanded):
+            self._register_labels(i, block)
+        self._check_whens()
+        self._scopes = [block_scope(i, block) for i, block in enumerate(expanded)]
+        self._key_of, self._states = self._index_resources()
+        self._cache: dict[tuple[int, tuple[int, ...]], frozenset[Resource]] = {}
+        self._block_labels = [sorted({label for s in root.walk() for label, _, _ in s.choices})
+                              for root in self._scopes]
         #: Set by a multi-stage strategy while this process's copy is current only for these blocks.
         self.local_blocks: range | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def _index_resources(self) -> dict[Resource, Resource]:
-        """Map each ``(block, candidate)`` slot holding state to the slot where its module first appears."""
-        first_seen: dict[int, Resource] = {}
-        resource_of: dict[Resource, Resource] = {}
-        for slot, module in self._slots():
-            if not _has_state(module):
+    def _register_labels(self, index: int, block: nn.Module) -> None:
+        for name, module in block.named_modules(prefix=f"block{index}"):
+            if isinstance(module, Supernet):
+                raise NASPipeConfigError(
+                    f"Block {index} contains a Supernet ({name}); a supernet cannot nest another. Pass its blocks "
+                    "to the outer Supernet directly, or use ChoiceBlock inside the block."
+                )
+            if not isinstance(module, ChoiceBlock):
                 continue
-            resource_of[slot] = first_seen.setdefault(id(module), slot)
-        return resource_of
+            if module.label is None:
+                module.label = name
+            count = self.labels.setdefault(module.label, len(module))
+            if count != len(module):
+                raise NASPipeConfigError(
+                    f"Choices sharing label {module.label!r} have different candidate counts ({count} and "
+                    f"{len(module)} at {name}); give them equal counts or different labels."
+                )
 
-    def _slots(self) -> Iterator[tuple[Resource, nn.Module]]:
-        for i, block in enumerate(self.blocks):
-            if isinstance(block, ChoiceBlock):
-                for k, candidate in enumerate(block.candidates):
-                    yield (i, k), candidate
-            else:
-                yield (i, -1), block
+    def _check_whens(self) -> None:
+        for name, module in self.blocks.named_modules():
+            if isinstance(module, When) and (module.label not in self.labels or any(
+                    not 0 <= v < self.labels[module.label] for v in module.values)):
+                raise NASPipeConfigError(
+                    f"When at {name} depends on label {module.label!r} with values {sorted(module.values)}, but the "
+                    f"supernet's labels are {self.labels}; name a ChoiceBlock's label and valid choices."
+                )
+
+    def _index_resources(self) -> tuple[dict[tuple[int, ...], Resource], dict[Resource, ResourceState]]:
+        """Merge scopes that share a tensor into one resource, keyed by the first scope's path."""
+        scopes = [s for root in self._scopes for s in root.walk() if s.params or s.buffers]
+        parent = list(range(len(scopes)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        owner: dict[int, int] = {}
+        for i, scope in enumerate(scopes):
+            for tensor_id in scope.tensor_ids():
+                j = owner.setdefault(tensor_id, i)
+                a, b = find(i), find(j)
+                parent[max(a, b)] = min(a, b)
+        key_of = {s.path: scopes[find(i)].path for i, s in enumerate(scopes)}
+        members: dict[Resource, list[Scope]] = {}
+        for i, scope in enumerate(scopes):
+            members.setdefault(key_of[scope.path], []).append(scope)
+        states = {}
+        for key, group in members.items():
+            params = {id(p): p for s in group for p in s.params}
+            slots = {(id(m), n): (m, n) for s in group for m, n in s.buffers}
+            states[key] = ResourceState(tuple(params.values()), tuple(slots.values()))
+        return key_of, states
+
+    def block_scopes(self, index: int) -> Scope:
+        """Block ``index``'s scope tree (see :class:`~.choice.Scope`)."""
+        return self._scopes[index]
 
     def validate(self, architecture: Mapping[str, int]) -> Architecture:
         """Check ``architecture`` against this space and return it as a plain dict.
@@ -155,38 +168,43 @@ class Supernet(nn.Module):
         return {label: int(architecture[label]) for label in self.labels}
 
     def block_op(self, index: int, architecture: Mapping[str, int]) -> nn.Module:
-        """The module block ``index`` runs for ``architecture``."""
+        """The module block ``index`` runs for ``architecture``: a top-level choice's candidate, else
+        the block itself (whose nested choices follow the active architecture, see :meth:`run_block`)."""
         block = self.blocks[index]
         if isinstance(block, ChoiceBlock):
             assert block.label is not None
             return block.candidates[architecture[block.label]]
         return block
 
-    def block_resource(self, index: int, architecture: Mapping[str, int]) -> Resource | None:
-        """The resource block ``index`` uses for ``architecture``, or ``None`` if it holds no state."""
-        block = self.blocks[index]
-        if isinstance(block, ChoiceBlock):
-            assert block.label is not None
-            slot = (index, architecture[block.label])
-        else:
-            slot = (index, -1)
-        return self._resource_of.get(slot)
+    def run_block(self, index: int, x: object, architecture: Mapping[str, int]) -> object:
+        """Block ``index`` of subnet ``architecture`` applied to ``x``."""
+        with active_architecture(architecture):
+            return self.blocks[index](x)
 
-    def resources(self, blocks: range, architecture: Mapping[str, int]) -> frozenset[Resource]:
+    def resources(self, blocks: Sequence[int], architecture: Mapping[str, int]) -> frozenset[Resource]:
         """All resources ``architecture`` uses in ``blocks``."""
-        found = (self.block_resource(i, architecture) for i in blocks)
-        return frozenset(r for r in found if r is not None)
+        found: set[Resource] = set()
+        for i in blocks:
+            key = (i, tuple(architecture[label] for label in self._block_labels[i]))
+            cached = self._cache.get(key)
+            if cached is None:
+                cached = self._cache[key] = frozenset(
+                    self._key_of[s.path] for s in self._scopes[i].active(architecture) if s.path in self._key_of)
+            found |= cached
+        return frozenset(found)
 
-    def stage_resources(self, blocks: range) -> dict[Resource, nn.Module]:
-        """Every resource in ``blocks`` (whatever the subnet) and its module."""
-        keys = {r for slot, r in self._resource_of.items() if slot[0] in blocks}
-        return {r: self.resource_module(r) for r in sorted(keys)}
+    def stage_resources(self, blocks: Sequence[int]) -> dict[Resource, ResourceState]:
+        """Every resource in ``blocks`` (whatever the subnet) and its tensors."""
+        keys = {self._key_of[s.path] for i in blocks for s in self._scopes[i].walk() if s.path in self._key_of}
+        return {key: self._states[key] for key in sorted(keys)}
 
-    def resource_module(self, resource: Resource) -> nn.Module:
-        """The module behind a resource key."""
-        block, candidate = resource
-        module = self.blocks[block]
-        return module.candidates[candidate] if isinstance(module, ChoiceBlock) else module
+    def resource_state(self, resource: Resource) -> ResourceState:
+        """The parameters and buffer slots behind a resource key."""
+        return self._states[resource]
+
+    def resource_blocks(self, resource: Resource) -> list[int]:
+        """The blocks whose scopes make up ``resource`` (several when a tensor is tied across blocks)."""
+        return sorted({path[0] for path, key in self._key_of.items() if key == resource})
 
     def forward(self, x: object, architecture: Mapping[str, int]) -> object:
         """Run the whole subnet ``architecture`` on ``x`` (no keyed randomness; for inference)."""
@@ -198,9 +216,5 @@ class Supernet(nn.Module):
                 "in validation and test steps: it runs the subnet through the pipeline."
             )
         for i in range(len(self.blocks)):
-            x = self.block_op(i, architecture)(x)
+            x = self.run_block(i, x, architecture)
         return x
-
-
-def _has_state(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())

@@ -13,6 +13,7 @@ from torch import nn
 import lightning_naspipe as lnp
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.offload import Offloader, WindowResidency, estimated_bytes
+from lightning_naspipe.supernet import ResourceState
 from lightning_naspipe.schedule import FORWARD, UPDATE, build_schedule
 from test_engine import FakeModule, batches, make_supernet
 
@@ -63,6 +64,10 @@ class _Block(nn.Module):
         self.weight = nn.Parameter(torch.zeros(width))
 
 
+def _state(module: nn.Module) -> ResourceState:
+    return ResourceState(tuple(module.parameters()), tuple((m, n) for m in module.modules() for n in m._buffers))
+
+
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 10**6), subnets=st.integers(1, 12), chunks=st.integers(1, 2),
        budget_room=st.one_of(st.none(), st.integers(0, 3)))
@@ -71,7 +76,7 @@ def test_residency_invariants(seed: int, subnets: int, chunks: int, budget_room:
     device bytes match the resident copies and stay within the budget beyond what must be in flight."""
     rng = random.Random(seed)
     keys = [f"r{i}" for i in range(6)]
-    modules = {k: _Block(rng.randint(1, 4)) for k in keys}
+    modules = {k: _state(_Block(rng.randint(1, 4))) for k in keys}
     per_key = {k: estimated_bytes(modules[k], None) for k in keys}  # what the offloader budgets per resource
     resources = [frozenset(rng.sample(keys, rng.randint(0, 3))) for _ in range(subnets)]
     biggest = max((sum(per_key[k] for k in r) for r in resources), default=0)
@@ -89,7 +94,7 @@ def test_residency_invariants(seed: int, subnets: int, chunks: int, budget_room:
                 in_flight.add(action.subnet)
             for key in resources[action.subnet]:
                 assert offloader.is_resident(key), f"{key} computed on while not resident"
-                assert modules[key].weight.data_ptr() != offloader._resources[key].host[0].data_ptr()
+                assert modules[key].params[0].data_ptr() != offloader._resources[key].host[0].data_ptr()
         elif action.kind == UPDATE:
             residency.after_update(action.subnet)
             in_flight.discard(action.subnet)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.partition import balanced_split, block_weights, check_no_shared_parameters, stage_ranges
+from lightning_naspipe.partition import balanced_split, block_weights, stage_ranges, tied_cuts
 
 
 def _net() -> lnp.Supernet:
@@ -59,10 +59,14 @@ def test_bad_partitions(stages: int, balance: list[int] | None, needle: str) -> 
         stage_ranges(_net(), stages, balance)
 
 
-def test_tied_weights_across_stages_are_refused() -> None:
-    tied = nn.Linear(4, 4)
-    net = lnp.Supernet(tied, nn.ReLU(), lnp.ChoiceBlock([tied, nn.Identity()]))
-    check_no_shared_parameters(net, [range(0, 3)])
+def test_tied_weights_stay_on_one_stage() -> None:
+    embedding, head = nn.Embedding(5, 4), nn.Linear(4, 5)
+    head.weight = embedding.weight  # two modules, one Parameter
+    net = lnp.Supernet(embedding, nn.ReLU(), nn.Linear(4, 4), lnp.ChoiceBlock([head, nn.Linear(4, 5)]), nn.Tanh())
+    assert tied_cuts(net) == {1, 2, 3}
+    assert stage_ranges(net, 2) == [range(0, 4), range(4, 5)]  # the only split that keeps them together
     with pytest.raises(lnp.NASPipeConfigError, match="tied weights"):
-        check_no_shared_parameters(net, [range(0, 2), range(2, 3)])
+        stage_ranges(net, 2, balance=[2, 3])
+    with pytest.raises(lnp.NASPipeConfigError, match="tied weights"):
+        stage_ranges(net, 3)
 
