@@ -13,16 +13,63 @@ its own row of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.microbatch import split_batch
-from lightning_naspipe.optim import module_parameters, restrict_param_groups, step_schedulers
+from lightning_naspipe.optim import resource_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.offload import Offloader, WindowResidency, memory_conflicts
-from lightning_naspipe.schedule import FORWARD, SCHEDULES, UPDATE, build_schedule, scheduling_resources
-from lightning_naspipe.supernet import Resource
+from lightning_naspipe.schedule import (
+    FORWARD,
+    SCHEDULES,
+    UPDATE,
+    Action,
+    Schedule,
+    build_schedule,
+    scheduling_resources,
+)
+from lightning_naspipe.supernet import Resource, Supernet
 from lightning_naspipe.telemetry import StageTelemetry
 
+@dataclass
+class WindowPlan:
+    """What every stage process computes alike for one window, before running any of it.
+
+    Attributes:
+        window: the subnets, their architectures and micro-batches.
+        resources: ``resources[k][s]``: the resources subnet ``k`` uses on stage ``s``.
+        schedule: the per-stage action orders.
+        schedule_mode: one of :data:`SCHEDULES`.
+    """
+
+    window: Window
+    resources: list[list[frozenset[Resource]]]
+    schedule: Schedule
+    schedule_mode: str
+
+    def actions(self, stage: int) -> list[Action]:
+        """Stage ``stage``'s actions, in the order it runs them."""
+        actions = list(self.schedule.stages[stage])
+        if self.schedule_mode == "async":
+            # Updates after the window's last backward: with conflicts ignored, an update in the middle
+            # would change weights that other in-flight subnets saved for their backward. Updates send
+            # nothing, so moving them keeps every link's message order.
+            actions = [a for a in actions if a.kind != UPDATE] + [a for a in actions if a.kind == UPDATE]
+        return actions
+
+
+def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range], schedule_mode: str, chunks: int,
+                memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None) -> WindowPlan:
+    """Plan ``window``: each subnet's resources per stage and the schedule (pure: no processes, no
+    tensors touched). ``memory_budget`` as for :class:`Engine`."""
+    resources = [[supernet.resources(blocks, arch) for blocks in stage_blocks] for arch in window.architectures]
+    planned = scheduling_resources(schedule_mode, resources)
+    if memory_budget is not None:
+        budget, sizes = memory_budget
+        by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
+        planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
+    return WindowPlan(window, resources, build_schedule(planned, chunks), schedule_mode)
 
 
 class EngineModule(StageModule, Protocol):
@@ -98,36 +145,29 @@ class Engine:
         """
         supernet = module.supernet
         architectures = [supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
-        resources = [[supernet.resources(blocks, arch) for blocks in self.stage_blocks] for arch in architectures]
-        planned = scheduling_resources(self.schedule, resources)
-        if self.memory_budget is not None:
-            budget, sizes = self.memory_budget
-            by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
-            planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
-        schedule = build_schedule(planned, self.chunks)
         window = Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
-        executor = self._executor(module, self.telemetry)
-        if self.telemetry is not None:
-            self.telemetry.begin_window()
+        return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule, self.chunks,
+                                                   self.memory_budget))
 
-        actions = list(schedule.stages[self.stage])
-        if self.schedule == "async":
-            # Updates after the window's last backward: with conflicts ignored, an update in the middle
-            # would change weights that other in-flight subnets saved for their backward. Updates send
-            # nothing, so moving them keeps every link's message order.
-            actions = [a for a in actions if a.kind != UPDATE] + [a for a in actions if a.kind == UPDATE]
+    def run_window(self, module: EngineModule, plan: WindowPlan) -> Window:
+        """Run this stage's row of ``plan``: forwards, backwards and per-subnet updates."""
+        window, resources = plan.window, [r[self.stage] for r in plan.resources]
+        actions = plan.actions(self.stage)
+        executor = self._executor(module, self.telemetry)
         residency = None
         if self.offloader is not None:
             order = [a.subnet for a in actions if a.kind == FORWARD and a.chunk == 0]
-            residency = WindowResidency(self.offloader, order, [r[self.stage] for r in resources])
+            residency = WindowResidency(self.offloader, order, resources)
 
         def update(k: int) -> None:
-            self.update(module, window.first_index + k, resources[k][self.stage])
+            self.update(module, window.first_index + k, resources[k])
             if residency is not None:
                 residency.after_update(k)
 
+        if self.telemetry is not None:
+            self.telemetry.begin_window()
         if self.transport is not None:
-            self.transport.begin_window(schedule)
+            self.transport.begin_window(plan.schedule)
         executor.run(actions, window, update, residency.before_forward if residency else None)
         if residency is not None:
             residency.finish()
@@ -161,7 +201,7 @@ class Engine:
         """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then
         per-step schedulers."""
         supernet = module.supernet
-        params = module_parameters(supernet.resource_module(r) for r in sorted(resources))
+        params = resource_parameters(supernet.resource_state(r) for r in sorted(resources))
         optimizer = module.optimizers()
         assert not isinstance(optimizer, list)
         if self.offloader is not None:

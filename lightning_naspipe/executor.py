@@ -1,12 +1,15 @@
 """One stage's worker: runs its forward, backward and update actions in schedule order.
 
+Every block boundary is a gradient boundary (see :mod:`.boundary`): a forward keeps each block's
+input leaves and output, and a backward walks the blocks last to first.
+
 The same executor runs the single-stage (sequential) path and every stage of the pipeline;
 only the :class:`Transport` between stages differs, so the two paths cannot drift apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 import time
 from typing import Any, Protocol
@@ -14,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_naspipe.boundary import backward_through, cut, device_of, leaf_grads
+from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.supernet import Architecture, Supernet
@@ -114,8 +119,9 @@ class StageExecutor:
         self.telemetry = telemetry
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
-        # (subnet, chunk) -> (stage inputs, stage outputs or the weighted loss), kept for backward.
-        self._stash: dict[tuple[int, int], tuple[Any, Any]] = {}
+        # (subnet, chunk) -> per block (input, output); the last block's output is replaced by
+        # the weighted loss on the last stage. Kept for backward.
+        self._stash: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
 
     def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None],
             first_forward: Callable[[int], None] | None = None) -> None:
@@ -145,74 +151,76 @@ class StageExecutor:
         else:
             assert self.transport is not None
             x = self.transport.recv_value(self.stage - 1)
-        x = self._run_blocks(x, architecture, EVALUATION_INDEX, 0)
+        for _, x in self._run_blocks(x, architecture, EVALUATION_INDEX, 0):
+            pass
         if self.is_last:
             return x
         assert self.transport is not None
         self.transport.send_value(self.stage + 1, x)
         return None
 
-    def _run_blocks(self, x: Any, architecture: Architecture, index: int, chunk: int) -> Any:
-        device = _device_of(x)
-        for block in self.blocks:
+    def _run_blocks(self, x: Any, architecture: Architecture, index: int, chunk: int) -> Iterator[tuple[Any, Any]]:
+        """Each block's ``(input, output)``; a block's input is its predecessor's output, :func:`cut`
+        (the first block's is ``x``, fresh from the data or the transport)."""
+        device = device_of(x)
+        supernet = self.module.supernet
+        for n, block in enumerate(self.blocks):
+            if n > 0:
+                x = cut(x)
             with keyed_rng(device, self.seed, index, block, chunk):
-                x = self.module.supernet.block_op(block, architecture)(x)
-        return x
+                try:
+                    y = supernet.run_block(block, x, architecture)
+                except RuntimeError as error:
+                    if "leaf Variable that requires grad" in str(error):
+                        raise NASPipeConfigError(
+                            f"Block {block} modifies its input in place (e.g. nn.ReLU(inplace=True) as its first op). "
+                            "Every block's input is a gradient leaf, so use inplace=False for the op that first "
+                            "touches the block's input."
+                        ) from error
+                    raise
+            yield x, y
+            x = y
 
     def _forward(self, window: Window, k: int, c: int) -> None:
         piece, weight = window.pieces[k][c]
         if self.is_first:
-            inputs = self.module.pipeline_input(piece)
+            x = self.module.pipeline_input(piece)
         else:
             assert self.transport is not None
-            inputs = self.transport.recv_activation(k, c)
-        x = self._run_blocks(inputs, window.architectures[k], window.first_index + k, c)
+            x = self.transport.recv_activation(k, c)
+        saved = list(self._run_blocks(x, window.architectures[k], window.first_index + k, c))
+        y = saved[-1][1]
         if self.is_last:
-            loss = self.module.compute_loss(x, piece)
+            loss = self.module.compute_loss(y, piece)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 raise TypeError(f"compute_loss must return a scalar tensor, got {_describe(loss)}.")
             if len(window.pieces[k]) > 1:
                 loss = loss * weight
             total = window.losses[k]
             window.losses[k] = loss.detach() if total is None else total + loss.detach()
-            self._stash[(k, c)] = (inputs, loss)
+            saved[-1] = (saved[-1][0], loss)
         else:
             assert self.transport is not None
-            self.transport.send_activation(k, c, x)
-            self._stash[(k, c)] = (inputs, x)
+            self.transport.send_activation(k, c, y)
+        self._stash[(k, c)] = saved
 
     def _backward(self, window: Window, k: int, c: int) -> None:
-        inputs, outputs = self._stash.pop((k, c))
+        """Backward block by block, last to first: each block's outputs get the gradients its
+        successor's input leaves collected (see :mod:`.boundary`)."""
+        saved = self._stash.pop((k, c))
+        inputs, outputs = saved.pop()
         if self.is_last:
             self.module.manual_backward(outputs)
         else:
             assert self.transport is not None
-            grads = self.transport.recv_gradient(k, c)
-            pairs = [(o, g) for o, g in zip(tensors_of(outputs), tensors_of(grads)) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            backward_through(outputs, self.transport.recv_gradient(k, c))
+        while saved:
+            grads = leaf_grads(inputs)
+            inputs, outputs = saved.pop()
+            backward_through(outputs, grads)
         if not self.is_first:
             assert self.transport is not None
-            self.transport.send_gradient(k, c, _input_grads(inputs))
-
-
-def tensors_of(value: Any) -> list[Tensor]:
-    """The tensors of a block's input or output: the tensor itself, or a tuple's or list's tensors."""
-    if isinstance(value, Tensor):
-        return [value]
-    return [v for v in value if isinstance(v, Tensor)] if isinstance(value, (tuple, list)) else []
-
-
-def _input_grads(inputs: Any) -> Any:
-    """The gradient for each tensor the previous stage sent (zeros where none flowed)."""
-    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors_of(inputs)]
-    return grads[0] if isinstance(inputs, Tensor) else tuple(grads)
-
-
-def _device_of(value: Any) -> torch.device:
-    for tensor in tensors_of(value):
-        return tensor.device
-    return torch.device("cpu")
+            self.transport.send_gradient(k, c, leaf_grads(inputs))
 
 
 def _describe(value: Any) -> str:

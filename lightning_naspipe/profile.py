@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_naspipe.block_timing import time_paths
 from lightning_naspipe.engine import Engine
-from lightning_naspipe.executor import tensors_of
+from lightning_naspipe.boundary import tensors_in
 from lightning_naspipe.sampling import uniform_architecture
 from lightning_naspipe.space_spec import BlockSpec, CandidateSpec, SpaceSpec
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
@@ -246,7 +246,7 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
             y = x
             for op in path:
                 y = op(y)
-            sum(t.float().sum() for t in tensors_of(y)).backward()  # type: ignore[union-attr]
+            sum(t.float().sum() for t in tensors_in(y)).backward()  # type: ignore[union-attr]
             took.append(time.perf_counter() - start)
             if exchange:
                 link.recv_value(1 - rank)

@@ -7,8 +7,10 @@ buffers messages it does not need yet; the schedule's replay check guarantees th
 Sends are asynchronous and awaited at the end of the window, so a stage computes while its
 outputs are in flight.
 
-A value is a tensor or a tuple of tensors of any shape and dtype, sent as one message that
-carries its own header (see :mod:`.wire`).
+A value is anything a block may pass on (see :mod:`.boundary`), sent as one message that
+carries its own header (see :mod:`.wire`); the receiver gets what :func:`.boundary.cut` would
+give it in process. Gradients travel as a tuple aligned with the activation's tensors that
+require grad, ``None`` where none flowed.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_naspipe import wire as wire_format
+from lightning_naspipe.boundary import map_tensors
 from lightning_naspipe.distributed import broadcast_object
 from lightning_naspipe.schedule import Schedule
+from lightning_naspipe.stage_table import describe
 
 
 class StageFailure(RuntimeError):
@@ -56,6 +60,8 @@ class P2PTransport:
         self._link_size: dict[tuple[str, int], int] = {}
         #: Point-to-point messages this stage has sent (values plus size announcements).
         self.messages_sent = 0
+        #: What the first activation this stage sent looked like (see :func:`.stage_table.describe`).
+        self.first_activation: str | None = None
 
     def begin_window(self, schedule: Schedule) -> None:
         """Learn the order in which the neighbours will send during this window."""
@@ -71,16 +77,18 @@ class P2PTransport:
             self._wait(work, "deliver a message to a neighbouring stage")
 
     def send_activation(self, subnet: int, chunk: int, value: Any) -> None:
+        if self.first_activation is None:
+            self.first_activation = describe(value)
         self._send(self.stage + 1, value)
 
     def recv_activation(self, subnet: int, chunk: int) -> Any:
-        return self._recv_for("forward", self.stage - 1, (subnet, chunk), requires_grad=True)
+        return self._recv_for("forward", self.stage - 1, (subnet, chunk))
 
     def send_gradient(self, subnet: int, chunk: int, value: Any) -> None:
         self._send(self.stage - 1, value)
 
     def recv_gradient(self, subnet: int, chunk: int) -> Any:
-        return self._recv_for("backward", self.stage + 1, (subnet, chunk), requires_grad=False)
+        return self._recv_for("backward", self.stage + 1, (subnet, chunk))
 
     def share(self, value: Any) -> Any:
         """The last stage's ``value`` (e.g. an evaluation output) on every stage."""
@@ -108,7 +116,7 @@ class P2PTransport:
         self._send(stage, value)
 
     def recv_value(self, stage: int) -> Any:
-        return self._recv(stage, requires_grad=False)
+        return self._recv(stage)
 
     # -- messages -------------------------------------------------------------------------
 
@@ -126,16 +134,16 @@ class P2PTransport:
             self._pending.append((dist.isend(t, dst), [t]))
         self.messages_sent += len(messages)
 
-    def _recv_for(self, link: str, stage: int, key: tuple[int, int], requires_grad: bool) -> Any:
+    def _recv_for(self, link: str, stage: int, key: tuple[int, int]) -> Any:
         buffer = self._buffer[link]
         while key not in buffer:
             expected = self._expected[link]
             if not expected:
                 raise RuntimeError(f"stage {self.stage} waits for {link} message {key} that the schedule never sends")
-            buffer[expected.pop()] = self._recv(stage, requires_grad)
+            buffer[expected.pop()] = self._recv(stage)
         return buffer.pop(key)
 
-    def _recv(self, stage: int, requires_grad: bool) -> Any:
+    def _recv(self, stage: int) -> Any:
         src = self.ranks[stage]
         size = self._link_size.get(("from", stage), wire_format.FIRST_SIZE)
         message = torch.empty(size, dtype=torch.uint8, device=self._wire_device())
@@ -145,8 +153,10 @@ class P2PTransport:
             message = torch.empty(announced, dtype=torch.uint8, device=self._wire_device())
             self._recv_into(message, src, stage)
             self._link_size[("from", stage)] = announced
-        value = wire_format.unpack(message, requires_grad)
-        return value if message.device == self.device else _to(value, self.device, requires_grad)
+        value = wire_format.unpack(message)
+        if message.device == self.device:
+            return value
+        return map_tensors(lambda t: t.detach().to(self.device).requires_grad_(t.requires_grad), value)
 
     def _recv_into(self, tensor: Tensor, src: int, stage: int) -> None:
         try:
@@ -172,12 +182,6 @@ class P2PTransport:
         # NCCL moves only device tensors; gloo only host ones.
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-
-
-def _to(value: Any, device: torch.device, requires_grad: bool) -> Any:
-    tensors, is_tuple = wire_format.flatten(value)
-    moved = [t.detach().to(device).requires_grad_(requires_grad and t.is_floating_point()) for t in tensors]
-    return tuple(moved) if is_tuple else moved[0]
 
 
 def _lost(stage: int, rank: int | None, error: BaseException) -> StageFailure:

@@ -1,9 +1,17 @@
 """The wire format of a message between stages: one byte buffer per value.
 
-A value (a tensor or a tuple of tensors, any shapes and dtypes) travels as *one* message::
+A value (anything a block may pass on: a tensor, a tuple of tensors or ``None``, or any nesting
+of tuples, lists and dicts of tensors and plain Python values) travels as *one* message::
 
-    int64 slots: [DATA, total bytes, header slots, is_tuple, count, (dtype, ndim, *shape) per tensor]
-    then each tensor's bytes, every tensor starting at a multiple of ALIGN bytes
+    int64 slots: [DATA, total bytes, header slots, kind, count, structure bytes,
+                  (dtype or -1 for None, requires_grad, layout, ndim, *shape) per tensor]
+    then the pickled structure (kind STRUCTURE only), then each tensor's bytes,
+    every part starting at a multiple of ALIGN bytes
+
+``kind`` is TENSOR (a bare tensor), TUPLE (a tuple of tensors and ``None``: the fast path of
+tuples between blocks and of gradient messages) or STRUCTURE (anything else: the pytree spec and
+the non-tensor leaves are pickled). The receiver gets what :func:`.boundary.cut` would give it
+in process: the same structure, values, layout and ``requires_grad`` flags.
 
 One message instead of a header and then one per tensor matters: on a small CPU host each
 point-to-point call costs about a millisecond of contended CPU time. The receiver must post a
@@ -16,10 +24,14 @@ carry the same shapes subnet after subnet, so in steady state a value is a singl
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
+
+from lightning_naspipe.boundary import CHANNELS_LAST, laid_out, layout_of
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -34,36 +46,63 @@ FIRST_SIZE = 16
 _SLOT = 8  # bytes per int64 header slot
 
 
-def flatten(value: Any) -> tuple[list[Tensor], bool]:
-    """The tensors of a stage-boundary value, and whether it was a tuple."""
+TENSOR, TUPLE, STRUCTURE = 0, 1, 2
+_NONE = -1  # dtype slot of a None entry
+
+
+class _Slot:
+    """Where a tensor leaf stood in a pickled structure."""
+
+
+def flatten(value: Any) -> tuple[list[Tensor | None], int, bytes]:
+    """The tensor entries of a boundary value, its kind, and (kind STRUCTURE) its pickled structure."""
     if isinstance(value, Tensor):
-        return [value], False
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
-        return list(value), True
-    raise TypeError(
-        f"A block on a stage boundary returned {type(value).__name__}; blocks must pass a tensor or a tuple of "
-        "tensors to the next stage."
-    )
+        return [value], TENSOR, b""
+    if type(value) is tuple and all(v is None or isinstance(v, Tensor) for v in value):
+        return list(value), TUPLE, b""
+    leaves, spec = pytree.tree_flatten(value)
+    tensors: list[Tensor | None] = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+    others = [_Slot if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    try:
+        structure = pickle.dumps((spec, others))
+    except Exception as error:
+        raise TypeError(
+            f"A block on a stage boundary returned a {type(value).__name__} holding a value that cannot be sent "
+            f"to the next stage ({error}); pass tensors, tuples, lists, dicts and plain Python values."
+        ) from error
+    return tensors, STRUCTURE, structure
 
 
 def pack(value: Any, device: torch.device) -> Tensor:
     """``value`` as one ``uint8`` buffer on ``device`` (see the module docstring for the layout)."""
-    tensors, is_tuple = flatten(value)
-    header = [DATA, 0, 0, int(is_tuple), len(tensors)]
+    tensors, kind, structure = flatten(value)
+    header = [DATA, 0, 0, kind, len(tensors), len(structure)]
     for t in tensors:
+        if t is None:
+            header += [_NONE, 0, 0, 0]
+            continue
         if t.dtype not in CODE:
             raise TypeError(f"a stage-boundary tensor has dtype {t.dtype}, which the transport cannot send; "
                             f"use one of {', '.join(str(d) for d in DTYPES)}")
-        header += [CODE[t.dtype], t.dim(), *t.shape]
-    offsets, total = [], _aligned(_SLOT * len(header))
+        header += [CODE[t.dtype], int(t.requires_grad), layout_of(t), t.dim(), *t.shape]
+    total = _aligned(_SLOT * len(header))
+    structure_at = total
+    total = _aligned(total + len(structure))
+    offsets = []
     for t in tensors:
         offsets.append(total)
-        total = _aligned(total + t.numel() * t.element_size())
+        if t is not None:
+            total = _aligned(total + t.numel() * t.element_size())
     header[1], header[2] = total, len(header)
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     buffer[: _SLOT * len(header)].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
+    if structure:
+        buffer[structure_at: structure_at + len(structure)].copy_(torch.frombuffer(bytearray(structure),
+                                                                                   dtype=torch.uint8))
     for t, offset in zip(tensors, offsets):
-        _view(buffer, offset, t.dtype, t.shape).copy_(t.detach())
+        if t is not None:
+            t = laid_out(t.detach())
+            _view(buffer, offset, t.dtype, t.shape, layout_of(t)).copy_(t)
     return buffer
 
 
@@ -80,32 +119,42 @@ def resized(buffer: Tensor) -> int | None:
     return int(size) if kind == RESIZE else None
 
 
-def unpack(buffer: Tensor, requires_grad: bool) -> Any:
-    """The value :func:`pack` packed; its tensors are views into ``buffer`` (no copy).
-
-    Floating-point tensors require grad when ``requires_grad`` (activations, whose gradient
-    the receiving stage sends back).
-    """
+def unpack(buffer: Tensor) -> Any:
+    """The value :func:`pack` packed; its tensors are views into ``buffer`` (no copy), requiring
+    grad where the sent ones did (activations, whose gradient the receiving stage sends back)."""
     slots = int(buffer[2 * _SLOT: 3 * _SLOT].view(torch.int64).item())
     header = buffer[: _SLOT * slots].view(torch.int64).tolist()
-    is_tuple, count, pos = bool(header[3]), header[4], 5
-    offset = _aligned(_SLOT * slots)
-    tensors = []
+    kind, count, structure_bytes, pos = header[3], header[4], header[5], 6
+    structure_at = _aligned(_SLOT * slots)
+    offset = _aligned(structure_at + structure_bytes)
+    tensors: list[Tensor | None] = []
     for _ in range(count):
-        dtype, ndim = DTYPES[header[pos]], header[pos + 1]
-        shape = header[pos + 2: pos + 2 + ndim]
-        pos += 2 + ndim
-        t = _view(buffer, offset, dtype, shape).detach()
+        code, requires_grad, layout, ndim = header[pos: pos + 4]
+        shape = header[pos + 4: pos + 4 + ndim]
+        pos += 4 + ndim
+        if code == _NONE:
+            tensors.append(None)
+            continue
+        t = _view(buffer, offset, DTYPES[code], shape, layout).detach()
         offset = _aligned(offset + t.numel() * t.element_size())
-        if requires_grad and t.is_floating_point():
-            t.requires_grad_(True)
-        tensors.append(t)
-    return tuple(tensors) if is_tuple else tensors[0]
+        tensors.append(t.requires_grad_(bool(requires_grad)))
+    if kind == TENSOR:
+        return tensors[0]
+    if kind == TUPLE:
+        return tuple(tensors)
+    spec, others = pickle.loads(buffer[structure_at: structure_at + structure_bytes].cpu().numpy().tobytes())
+    it = iter(tensors)
+    return pytree.tree_unflatten([next(it) if leaf is _Slot else leaf for leaf in others], spec)
 
 
-def _view(buffer: Tensor, offset: int, dtype: torch.dtype, shape: Any) -> Tensor:
-    nbytes = math.prod(int(size) for size in shape) * dtype.itemsize
-    return buffer[offset: offset + nbytes].view(dtype).view(tuple(shape))
+def _view(buffer: Tensor, offset: int, dtype: torch.dtype, shape: Any, layout: int) -> Tensor:
+    shape = tuple(int(size) for size in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    flat = buffer[offset: offset + nbytes].view(dtype)
+    if layout == CHANNELS_LAST:  # memory holds N, H, W, C
+        n, c, h, w = shape
+        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    return flat.view(shape)
 
 
 def _aligned(size: int) -> int:

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_naspipe.boundary import map_tensors, tensors_in
+
 from lightning_naspipe.schedule import build_schedule
 from lightning_naspipe.transport import P2PTransport
 from helpers import spawn_gloo_pair
@@ -37,11 +39,13 @@ def _worker(rank: int, port: int, results: dict) -> None:
     sends = schedule.sends(0, "forward")
     if rank == 0:
         for i, (subnet, chunk) in enumerate(sends):
-            transport.send_activation(subnet, chunk, VALUES[i % len(VALUES)])
+            # Floating tensors require grad, as activations do: the flags travel with the values.
+            value = map_tensors(lambda t: t.clone().requires_grad_(t.is_floating_point()), VALUES[i % len(VALUES)])
+            transport.send_activation(subnet, chunk, value)
     else:
         got = {key: transport.recv_activation(*key) for key in reversed(sends)}
         results["ok"] = all(_same(got[key], VALUES[i % len(VALUES)]) for i, key in enumerate(sends))
-        results["grad"] = got[sends[0]].requires_grad
+        results["grad"] = all(t.requires_grad == t.is_floating_point() for v in got.values() for t in tensors_in(v))
     transport.end_window()
     before = transport.messages_sent
     for i, value in enumerate(STEADY):  # outside a window's schedule, as evaluation sends

@@ -1,0 +1,122 @@
+"""A whole pipeline in one process: one thread per stage, messages through the real wire format.
+
+The stage threads take turns: a thread holds the baton while it computes and gives it up only
+while it waits for a message, so at most one stage runs torch code at a time (keyed randomness
+seeds the global generator) and the run is deterministic. Each stage has its own
+:class:`~lightning_naspipe.engine.Engine` and runs its row of the same schedule, exactly as
+stage processes do; only the transport differs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_naspipe import wire
+from lightning_naspipe.engine import Engine, EngineModule
+from lightning_naspipe.executor import Window
+from lightning_naspipe.schedule import Schedule
+
+
+class _World:
+    def __init__(self, stages: int) -> None:
+        self.baton = threading.Condition()
+        self.queues: dict[tuple[int, int], list[Tensor]] = {}  # (from, to) -> packed messages, FIFO
+        self.losses: list[Tensor | None] | None = None
+        self.shared: list[Any] = []
+        self.stages = stages
+
+
+class LocalTransport:
+    """The :class:`~lightning_naspipe.executor.Transport` of one stage thread."""
+
+    def __init__(self, world: _World, stage: int) -> None:
+        self.world, self.stage = world, stage
+        self._expected: dict[int, list[tuple[int, int]]] = {}
+        self._early: dict[int, dict[tuple[int, int], Any]] = {}
+
+    def begin_window(self, schedule: Schedule) -> None:
+        if self.stage > 0:
+            self._expected[self.stage - 1] = list(schedule.sends(self.stage - 1, "forward"))
+        if self.stage < self.world.stages - 1:
+            self._expected[self.stage + 1] = list(schedule.sends(self.stage + 1, "backward"))
+
+    def end_window(self) -> None:
+        pass
+
+    def _put(self, to: int, value: Any) -> None:
+        self.world.queues.setdefault((self.stage, to), []).append(wire.pack(value, torch.device("cpu")))
+        self.world.baton.notify_all()
+
+    def _take(self, frm: int) -> Any:
+        queue = self.world.queues.setdefault((frm, self.stage), [])
+        self.world.baton.wait_for(lambda: bool(queue), timeout=60)
+        if not queue:
+            raise RuntimeError(f"stage {self.stage} waited 60 s for stage {frm}: the schedule deadlocks")
+        return wire.unpack(queue.pop(0))
+
+    def _take_for(self, frm: int, key: tuple[int, int]) -> Any:
+        early = self._early.setdefault(frm, {})
+        while key not in early:
+            early[self._expected[frm].pop(0)] = self._take(frm)
+        return early.pop(key)
+
+    def send_activation(self, subnet: int, chunk: int, value: Any) -> None:
+        self._put(self.stage + 1, value)
+
+    def recv_activation(self, subnet: int, chunk: int) -> Any:
+        return self._take_for(self.stage - 1, (subnet, chunk))
+
+    def send_gradient(self, subnet: int, chunk: int, value: Any) -> None:
+        self._put(self.stage - 1, value)
+
+    def recv_gradient(self, subnet: int, chunk: int) -> Any:
+        return self._take_for(self.stage + 1, (subnet, chunk))
+
+    def send_value(self, stage: int, value: Any) -> None:
+        self._put(stage, value)
+
+    def recv_value(self, stage: int) -> Any:
+        return self._take(stage)
+
+    def share_losses(self, losses: Sequence[Tensor | None]) -> list[Tensor]:
+        return list(losses)  # the driver reads the last stage's window
+
+    def share(self, value: Any) -> Any:
+        return value
+
+
+
+def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches: Sequence[Any], window: int,
+                    chunks: int = 1, schedule: str = "csp") -> list[Tensor]:
+    """Train ``batches`` through ``len(stage_blocks)`` stages in this process; the per-subnet losses."""
+    world = _World(len(stage_blocks))
+    engines = [Engine(stage_blocks, stage=s, chunks=chunks, transport=LocalTransport(world, s), schedule=schedule)
+               for s in range(len(stage_blocks))]
+    losses: list[Tensor] = []
+    errors: list[BaseException] = []
+
+    def stage_thread(engine: Engine, windows: list[Window]) -> None:
+        with world.baton:
+            try:
+                for start in range(0, len(batches), window):
+                    windows.append(engine.train_window(module, batches[start:start + window], start))
+            except BaseException as error:  # reported by the driver
+                errors.append(error)
+                world.baton.notify_all()
+
+    results: list[list[Window]] = [[] for _ in engines]
+    threads = [threading.Thread(target=stage_thread, args=(e, r), daemon=True) for e, r in zip(engines, results)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    if errors:
+        raise errors[0]
+    for w in results[-1]:
+        losses += [loss for loss in w.losses if loss is not None]
+    return losses

@@ -1,0 +1,218 @@
+"""Partition independence: random DAG/tuple spaces give bitwise the one-stage result at every cut.
+
+Spaces mix what broke 0.1 and what users write: one tensor twice in a tuple, a tensor passed on
+and also used before the cut, unused outputs, dicts and non-tensor values between blocks, zero
+ops, BatchNorm, dropout, a choice nested in a fixed block, a choice inside a choice, and tied
+candidates. Each is trained on one stage, then on two (every allowed cut) and three stages,
+windows 1 and 8, in process (tests/inprocess.py), and compared with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import lightning_naspipe as lnp
+from lightning_naspipe.boundary import backward_through, cut, grad_targets, leaf_grads
+from lightning_naspipe.engine import Engine
+from lightning_naspipe.partition import tied_cuts
+from inprocess import train_pipelined
+from test_engine import FakeModule
+
+W = 4
+
+
+def _pair(value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(value, dict):
+        return value["h"], value["s"]
+    return value[0], value[1]
+
+
+class Stem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, W)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, h  # one tensor twice
+
+
+class Apply(nn.Module):
+    """``(h, s) -> (op(h), s)``: ``s`` passes through unchanged."""
+
+    def __init__(self, op: nn.Module) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        h, s = _pair(value)
+        return self.op(h), s
+
+
+class Residual(nn.Module):
+    """``(h, s) -> (h + op(s), h)``: ``h`` is used here and passed on."""
+
+    def __init__(self, op: nn.Module) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        h, s = _pair(value)
+        return h + self.op(s), h
+
+
+class Extras(nn.Module):
+    """Emits a dict with non-tensor values and an unused tensor."""
+
+    def forward(self, value: Any) -> dict[str, Any]:
+        h, s = _pair(value)
+        return {"h": torch.tanh(h), "s": s, "unused": h * 3, "depth": 2, "none": None}
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, 2)
+
+    def forward(self, value: Any) -> torch.Tensor:
+        h, s = _pair(value)
+        return self.lin(h * s)
+
+
+class Zero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0
+
+
+def _candidates(rng: random.Random, tied: nn.Linear) -> list[nn.Module]:
+    pool: list[nn.Module] = [nn.Linear(W, W), nn.Identity(), Zero(), nn.BatchNorm1d(W),
+                             nn.Sequential(nn.Dropout(0.3), nn.Linear(W, W)), tied,
+                             lnp.ChoiceBlock([nn.Linear(W, W), nn.Tanh()])]  # a choice inside a choice
+    return rng.sample(pool, rng.randint(2, 4))
+
+
+def random_space(seed: int) -> lnp.Supernet:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    tied = nn.Linear(W, W)
+    blocks: list[nn.Module] = [Stem()]
+    for i in range(rng.randint(2, 5)):
+        kind = rng.choice(["choice", "residual", "extras", "nested"])
+        label = rng.choice([None, "shared"])
+        if kind == "extras":
+            blocks.append(Extras())
+            continue
+        count = 3 if label == "shared" else rng.randint(2, 4)
+        cands = _candidates(rng, tied)[:count]
+        while len(cands) < count:
+            cands.append(nn.Identity())
+        choice = lnp.ChoiceBlock([copy.deepcopy(c) if c is not tied else tied for c in cands], label=label)
+        if kind == "choice":
+            blocks.append(Apply(choice))
+        elif kind == "residual":
+            blocks.append(Residual(choice))
+        else:  # a ChoiceBlock inside a fixed block with its own weights
+            blocks.append(nn.Sequential(Apply(nn.Linear(W, W)), Residual(choice)))
+    blocks.append(Head())
+    return lnp.Supernet(*blocks)
+
+
+def _batches(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, 5, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(count)]
+
+
+def _train(net: lnp.Supernet, ranges: list[range], data: list, window: int, chunks: int) -> tuple[Any, ...]:
+    module = FakeModule(copy.deepcopy(net))
+    if len(ranges) == 1:
+        engine = Engine(ranges, chunks=chunks)
+        losses = [loss for start in range(0, len(data), window)
+                  for loss in engine.train_window(module, data[start:start + window], start).losses]
+    else:
+        losses = train_pipelined(module, ranges, data, window, chunks)
+    return module.supernet.state_dict(), module.optimizer.state_dict()["state"], losses
+
+
+def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...], where: str) -> None:
+    for name in a[0]:
+        assert torch.equal(a[0][name], b[0][name]), f"{where}: {name} differs"
+    assert a[1].keys() == b[1].keys(), f"{where}: optimizer state keys differ"
+    for key in a[1]:
+        for field in a[1][key]:
+            assert torch.equal(a[1][key][field], b[1][key][field]), f"{where}: optimizer {key}.{field} differs"
+    assert len(a[2]) == len(b[2]) and all(torch.equal(x, y) for x, y in zip(a[2], b[2])), f"{where}: losses"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), chunks=st.sampled_from([1, 2]))
+def test_every_cut_gives_the_one_stage_result(seed: int, chunks: int) -> None:
+    net = random_space(seed)
+    data = _batches(10, seed)
+    forbidden = tied_cuts(net)
+    reference = _train(net, [range(len(net))], data, 1, chunks)
+    cuts = [j for j in range(1, len(net)) if j not in forbidden]
+    for j in cuts:
+        for window in (1, 8):
+            got = _train(net, [range(0, j), range(j, len(net))], data, window, chunks)
+            _assert_same(reference, got, f"seed {seed}, cut {j}, window {window}")
+    if len(cuts) >= 2:
+        a, b = random.Random(seed).sample(cuts, 2)
+        a, b = min(a, b), max(a, b)
+        got = _train(net, [range(0, a), range(a, b), range(b, len(net))], data, 8, chunks)
+        _assert_same(reference, got, f"seed {seed}, cuts {a} and {b}")
+
+
+def test_cut_makes_one_leaf_per_position_with_the_same_flags() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    value = cut((y, y, 5, {"n": None, "i": torch.arange(2)}))
+    assert value[0] is not value[1] and value[0].is_leaf and value[0].requires_grad
+    assert value[2] == 5 and value[3]["n"] is None and not value[3]["i"].requires_grad
+    assert grad_targets(value) == [value[0], value[1]]
+
+
+def test_backward_through_a_boundary_sends_none_not_zeros() -> None:
+    w = nn.Parameter(torch.ones(3))
+    used, unused = w * 2, w * 3
+    leaves = cut((used, unused))
+    leaves[0].sum().backward()
+    grads = leaf_grads(leaves)
+    assert grads[1] is None  # no gradient flowed: sending zeros would make Adam step `w` for nothing
+    backward_through((used, unused), grads)
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
+
+
+def test_a_tied_weight_is_one_resource_and_serialises_csp() -> None:
+    torch.manual_seed(0)
+    embedding, head = nn.Embedding(7, W), nn.Linear(W, 7, bias=False)
+    head.weight = embedding.weight  # tied embedding and head, as in language models
+    a, b = nn.Linear(W, W), nn.Linear(W, W)
+    b.weight = a.weight  # tied candidates in two different modules
+    net = lnp.Supernet(embedding, lnp.ChoiceBlock([a, nn.Identity()], label="x"),
+                       lnp.ChoiceBlock([nn.Identity(), b], label="y"), head)
+    both = net.resources(range(len(net)), {"x": 0, "y": 1})
+    only_b = net.resources(range(len(net)), {"x": 1, "y": 1})
+    only_a = net.resources(range(len(net)), {"x": 0, "y": 0})
+    assert net.resource_blocks((0, -1)) == [0, 3]  # embedding and head: one resource
+    assert (1, 0) in only_a and (1, 0) in only_b and (1, 0) in both  # a and b: one resource
+    assert len(both) == 2
+
+
+def test_tied_candidates_train_exactly_when_csp_would_overlap_them() -> None:
+    torch.manual_seed(1)
+    a, b = nn.Linear(W, W), nn.Linear(W, W)
+    b.weight = a.weight  # keyed by module, subnets using a and b would overlap and race on one weight
+    net = lnp.Supernet(Stem(), Apply(nn.Linear(W, W)), Apply(lnp.ChoiceBlock([a, nn.Identity()], label="x")),
+                       Apply(lnp.ChoiceBlock([nn.Identity(), b], label="y")), Head())
+    assert tied_cuts(net) == {3}
+    data = _batches(16, 4)
+    reference = _train(net, [range(len(net))], data, 1, 1)
+    for ranges in ([range(0, 2), range(2, 5)], [range(0, 2), range(2, 4), range(4, 5)]):
+        _assert_same(reference, _train(net, ranges, data, 8, 1), f"stages {ranges}")
