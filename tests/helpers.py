@@ -128,3 +128,23 @@ def spawn_gloo_pair(worker: Any) -> dict[str, Any]:
         results = manager.dict()
         mp.spawn(worker, args=(port, results), nprocs=2, join=True)
         return dict(results)
+
+
+def nb201_example() -> Any:
+    """``examples/nb201_digits.py`` as a module (examples/ is no package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "nb201_digits"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "examples" / "nb201_digits.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def nb201_trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    """64 subnets of the NB201 space, no validation: the exactness runs of test_pipeline.py."""
+    return trainer_kwargs(max_steps=64, max_epochs=-1, limit_val_batches=0, **overrides)
