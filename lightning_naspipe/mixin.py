@@ -160,6 +160,7 @@ class NASPipeMixin:
             batches = batches[: max(0, trainer.max_steps - first)]
         window = engine.train_window(cast("EngineModule", self), batches, first)
         if isinstance(trainer.strategy, NASPipeStrategy):
+            trainer.strategy.report_stages()
             for name, value in trainer.strategy.stage_metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)
         return self._report(window, batches)

@@ -30,7 +30,7 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.strategies.strategy import TBroadcast
 from pytorch_lightning.trainer.states import RunningStage
-from pytorch_lightning.utilities import rank_zero_only, rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
@@ -43,7 +43,8 @@ from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
-from lightning_naspipe.partition import check_no_shared_parameters, stage_ranges
+from lightning_naspipe.partition import block_weights, stage_ranges
+from lightning_naspipe.stage_table import stage_table
 from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport import P2PTransport
@@ -153,6 +154,8 @@ class NASPipeStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.engine: Engine | None = None
         self.stage_ranges: list[range] = []
+        self._split_costs: tuple[list[float], str] = ([], "params")
+        self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
 
     # -- processes ----------------------------------------------------------------------------
@@ -246,7 +249,8 @@ class NASPipeStrategy(ParallelStrategy):
         if self.balance is None and example is not None and self.world_size > 1:
             weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast)
         self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance, weights)
-        check_no_shared_parameters(supernet, self.stage_ranges)
+        self._split_costs = (weights, "ms") if weights is not None else (block_weights(supernet), "params")
+        self._stages_reported = False
         telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
         transport = None
         if self.world_size > 1:
@@ -262,7 +266,7 @@ class NASPipeStrategy(ParallelStrategy):
         if self.offload:
             optimizer = self.optimizers[0] if self.optimizers else None
             # Every stage process computes every stage's sizes from shapes alone: same schedule everywhere.
-            sizes = [{key: estimated_bytes(module, optimizer) for key, module in supernet.stage_resources(b).items()}
+            sizes = [{key: estimated_bytes(state, optimizer) for key, state in supernet.stage_resources(b).items()}
                      for b in self.stage_ranges]
             self.engine.offloader = Offloader(supernet.stage_resources(self.engine.blocks), optimizer,
                                               self.root_device, self.offload_budget_bytes, sizes[self.stage])
@@ -336,6 +340,18 @@ class NASPipeStrategy(ParallelStrategy):
             return {}
         stages = gather_objects(mine, self.world_size)
         return {f"{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
+
+    def report_stages(self) -> None:
+        """Log the stage table (:mod:`.stage_table`) on rank 0 once, after the first window (collective)."""
+        if self._stages_reported:
+            return
+        self._stages_reported = True
+        transport = self.engine.transport if self.engine is not None else None
+        sends = gather_objects(getattr(transport, "first_activation", None), self.world_size)
+        if self.is_global_zero:
+            costs, unit = self._split_costs
+            table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends)
+            rank_zero_info(f"NASPipe stages:\n{table}")
 
     def _write_trace(self) -> None:
         assert self.engine is not None and self.engine.telemetry is not None and self.trace_dir is not None

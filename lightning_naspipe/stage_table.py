@@ -1,0 +1,58 @@
+"""The table of stages the strategy logs once the first window has run::
+
+    stage | blocks | labels          | parameters | cost          | sends to the next stage
+    0     | 0-4    | e01, e02, e12   | 1,234      | 48% (ms)      | tuple(float32[32, 4, 8, 8] x3)
+    1     | 5-18   | e03, e13, e23   | 5,678      | 52% (ms)      | -
+
+``cost`` is each stage's share of the block costs the split balanced: measured time (``ms``) or,
+without a measurement, expected parameters per subnet (``params``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lightning_naspipe.supernet import Supernet
+
+
+def describe(value: Any) -> str:
+    """A short description of a boundary value: its structure, dtypes and shapes."""
+    if isinstance(value, Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return type(value).__name__
+    if isinstance(value, (tuple, list)):
+        parts: list[str] = []
+        for item in value:
+            text = describe(item)
+            if parts and parts[-1].split(" x")[0] == text:
+                count = int(parts[-1].split(" x")[1]) + 1 if " x" in parts[-1] else 2
+                parts[-1] = f"{text} x{count}"
+            else:
+                parts.append(text)
+        return f"{type(value).__name__}({', '.join(parts)})"
+    if isinstance(value, dict):
+        return "dict(" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + ")"
+    leaves = pytree.tree_leaves(value)
+    return f"{type(value).__name__}({len(leaves)} leaves)"
+
+
+def stage_table(supernet: Supernet, ranges: Sequence[range], weights: Sequence[float], unit: str,
+                sends: Sequence[str | None]) -> str:
+    """The table (see the module docstring); ``sends[s]`` describes what stage ``s`` sends on."""
+    total = sum(weights) or 1.0
+    rows = [("stage", "blocks", "labels", "parameters", "cost", "sends to the next stage")]
+    for s, blocks in enumerate(ranges):
+        labels = sorted({label for i in blocks for scope in supernet.block_scopes(i).walk()
+                         for label, _, _ in scope.choices}, key=list(supernet.labels).index)
+        shown = ", ".join(labels[:6]) + (f", ... ({len(labels)})" if len(labels) > 6 else "")
+        params = {id(p): p.numel() for i in blocks for p in supernet.blocks[i].parameters()}
+        share = sum(weights[i] for i in blocks) / total
+        rows.append((str(s), f"{blocks.start}-{blocks.stop - 1}", shown or "-", f"{sum(params.values()):,}",
+                     f"{share:.0%} ({unit})", sends[s] or "-"))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import lightning_naspipe as lnp
+from lightning_naspipe.stage_table import describe, stage_table
+
+
+def test_describe_names_structure_dtypes_and_shapes() -> None:
+    x = torch.zeros(2, 3)
+    assert describe(x) == "float32[2, 3]"
+    assert describe((x, x, x, torch.arange(2), None)) == "tuple(float32[2, 3] x3, int64[2], NoneType)"
+    assert describe({"h": x, "n": 3}) == "dict(h: float32[2, 3], n: int)"
+
+
+def test_table_has_a_row_per_stage_with_its_blocks_labels_parameters_cost_and_sends() -> None:
+    net = lnp.Supernet(nn.Linear(2, 4), lnp.ChoiceBlock([nn.Linear(4, 4), nn.Identity()], label="a"),
+                       nn.Sequential(nn.Linear(4, 4), lnp.ChoiceBlock([nn.Tanh(), nn.ReLU()], label="b")))
+    table = stage_table(net, [range(0, 2), range(2, 3)], [1.0, 2.0, 1.0], "ms", ["float32[8, 4]", None])
+    rows = [[cell.strip() for cell in line.split("|")] for line in table.splitlines()]
+    assert rows[0] == ["stage", "blocks", "labels", "parameters", "cost", "sends to the next stage"]
+    assert rows[1] == ["0", "0-1", "a", "32", "75% (ms)", "float32[8, 4]"]
+    assert rows[2] == ["1", "2-2", "b", "20", "25% (ms)", "-"]
