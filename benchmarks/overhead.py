@@ -36,6 +36,7 @@ import torch
 
 import lightning_naspipe as lnp
 from common import Result, add_common_args, launch, machine, ok, plot, write_json
+from lightning_naspipe.boundary import backward_through, cut, leaf_grads
 from lightning_naspipe.schedule import scheduling_resources
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import resource_parameters, restrict_param_groups
@@ -98,6 +99,41 @@ def bookkeeping(module: CharLM, ranges: list[range], window: int, chunks: int, s
     return out
 
 
+def boundary_cost(module: CharLM, seq: int, batch: int, reps: int) -> dict[str, float]:
+    """µs of one subnet's forward + backward through every block: one autograd graph (0.1) against
+    a gradient boundary at every block (what the engine runs, see ``boundary.py``)."""
+    supernet = module.supernet
+    x, y = next(iter(text_loader(batch, seq, batch)))
+    arch = supernet.validate(module.sample_subnet(0))
+    blocks = range(len(supernet))
+
+    def one_graph() -> None:
+        h = x
+        for i in blocks:
+            h = supernet.run_block(i, h, arch)
+        module.compute_loss(h, (x, y)).backward()
+
+    def per_block() -> None:
+        h, saved = x, []
+        for i in blocks:
+            h_in = cut(h) if i else h
+            h = supernet.run_block(i, h_in, arch)
+            saved.append((h_in, h))
+        module.compute_loss(h, (x, y)).backward()
+        for n in range(len(saved) - 2, -1, -1):
+            backward_through(saved[n][1], leaf_grads(saved[n + 1][0]))
+
+    for fn in (one_graph, per_block):  # warm up
+        fn()
+    graph, boundary = [], []
+    for _ in range(reps):  # alternate, so a slower phase of the machine hits both alike
+        graph.append(median_us(one_graph, 1))
+        boundary.append(median_us(per_block, 1))
+    supernet.zero_grad(set_to_none=True)
+    one, per = statistics.median(graph), statistics.median(boundary)
+    return {"one graph": one, "block boundaries": per, "per block": (per - one) / (len(supernet) - 1)}
+
+
 def profile_share(args: argparse.Namespace) -> tuple[float, float, list[tuple[str, float]]]:
     """Self time of the package's and Lightning's Python frames over a one-stage window run."""
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)  # keep the report readable
@@ -130,6 +166,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer subnets")
     parser.add_argument("--plot", default="docs/overhead.png")
+    parser.add_argument("--boundary-only", action="store_true", help="only the per-block boundary cost")
     add_common_args(parser)
     args = parser.parse_args()
     if args.quick:
@@ -139,6 +176,12 @@ def main() -> None:
     module = CharLM(args.candidates, args.layers, args.width, args.seq)
     half = args.layers // 2 + 1
     ranges = [range(0, half), range(half, args.layers + 2)]
+    boundary = boundary_cost(module, args.seq, args.batch, reps=50)
+    print(f"gradient boundary at every block: {boundary['per block']:.1f} us per block ({boundary['one graph']:.0f} us "
+          f"one graph, {boundary['block boundaries']:.0f} us with boundaries, per subnet of {len(module.supernet)} "
+          f"blocks: {100 * (boundary['block boundaries'] / boundary['one graph'] - 1):+.1f}%)")
+    if args.boundary_only:
+        return
     parts = bookkeeping(module, ranges, args.window, args.chunks, args.seq, reps=20)
     base = {k: getattr(args, k) for k in ("candidates", "layers", "width", "seq", "batch", "subnets", "warmup",
                                            "window", "chunks")}
@@ -161,7 +204,7 @@ def main() -> None:
           f"(Lightning's own loop {100 * lightning:.2f}%); top package functions:")
     for name, tt in top:
         print(f"  {name:<48}{tt * 1e3:>9.1f} ms")
-    write_json(args.json, {"parts_us": parts, "window_us": window_us, "single_us": single_us,
+    write_json(args.json, {"boundary_us": boundary, "parts_us": parts, "window_us": window_us, "single_us": single_us,
                            "profile_share": share, "lightning_share": lightning})
 
     def render(ax: Any) -> None:

@@ -13,6 +13,7 @@ import copy
 import random
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -216,3 +217,55 @@ def test_tied_candidates_train_exactly_when_csp_would_overlap_them() -> None:
     reference = _train(net, [range(len(net))], data, 1, 1)
     for ranges in ([range(0, 2), range(2, 5)], [range(0, 2), range(2, 4), range(4, 5)]):
         _assert_same(reference, _train(net, ranges, data, 8, 1), f"stages {ranges}")
+
+
+class TransformerLayer(nn.Module):
+    """One residual layer with a choice of attention and a choice of MLP inside it (nested choices)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = lnp.ChoiceBlock({"heads1": nn.MultiheadAttention(width, 1, batch_first=True),
+                                          "heads2": nn.MultiheadAttention(width, 2, batch_first=True)})
+        self.mlp = lnp.ChoiceBlock([nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)),
+                                    nn.Identity(),
+                                    lnp.ChoiceBlock([nn.Linear(width, width), nn.Dropout(0.2)])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(len(x), 1, 8).expand(len(x), 3, 8).contiguous()
+
+
+class Pool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.mean(1))
+
+
+def test_transformer_layers_with_nested_choices_are_exact_at_every_cut() -> None:
+    torch.manual_seed(2)
+    net = lnp.Supernet(Embed(), TransformerLayer(8), TransformerLayer(8), TransformerLayer(8), Pool())
+    assert "block1.attention" in net.labels and "block1.mlp.candidates.2" in net.labels
+    data = _batches(12, 5)
+    reference = _train(net, [range(len(net))], data, 1, 1)
+    for j in range(1, len(net)):
+        _assert_same(reference, _train(net, [range(0, j), range(j, len(net))], data, 8, 1), f"cut {j}")
+
+
+def test_in_place_first_op_is_explained() -> None:
+    net = lnp.Supernet(nn.Linear(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    with pytest.raises(lnp.NASPipeConfigError, match="in place.*inplace=False"):
+        Engine([range(3)]).train_window(FakeModule(net), _batches(1, 0), 0)

@@ -79,3 +79,27 @@ def test_forward_runs_the_chosen_subnet() -> None:
 class _Neg(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return -x
+
+
+def test_nested_choices_get_path_labels_and_only_chosen_leaves_are_resources() -> None:
+    inner = lnp.ChoiceBlock([nn.Linear(3, 3), nn.Tanh()])
+    layer = nn.Sequential(nn.LayerNorm(3), lnp.ChoiceBlock([nn.Linear(3, 3), inner], label="outer"))
+    net = lnp.Supernet(nn.Linear(3, 3), layer)
+    assert net.labels == {"outer": 2, "block1.1.candidates.1": 2}
+    assert net.resources(range(2), {"outer": 0, "block1.1.candidates.1": 0}) == {(0, -1), (1, -1), (1, -1, 0, 0)}
+    assert net.resources(range(2), {"outer": 1, "block1.1.candidates.1": 0}) == {(0, -1), (1, -1), (1, -1, 0, 1, 0, 0)}
+    assert net.resources(range(2), {"outer": 1, "block1.1.candidates.1": 1}) == {(0, -1), (1, -1)}
+    x = torch.ones(2, 3)
+    arch = {"outer": 1, "block1.1.candidates.1": 1}
+    assert torch.equal(net(x, arch), torch.tanh(layer[0](net.blocks[0](x))))
+
+
+def test_what_cannot_work_is_refused_when_the_supernet_is_built() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="cannot nest another"):
+        lnp.Supernet(nn.Sequential(lnp.Supernet(nn.Linear(2, 2))))
+    with pytest.raises(lnp.NASPipeConfigError, match="When at .* depends on label 'nope'"):
+        lnp.Supernet(lnp.ChoiceBlock([nn.Identity()], label="a"), nn.Sequential(lnp.When(nn.Linear(2, 2), "nope",
+                                                                                        frozenset([0]))))
+    with pytest.raises(lnp.NASPipeConfigError, match="different candidate counts"):
+        lnp.Supernet(nn.Sequential(lnp.ChoiceBlock([nn.Identity()], label="s")),
+                     lnp.ChoiceBlock([nn.Identity(), nn.ReLU()], label="s"))
