@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import time
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor
 
 from lightning_naspipe.boundary import backward_through, cut, device_of, leaf_grads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -130,17 +131,22 @@ def spawn_gloo_pair(worker: Any) -> dict[str, Any]:
         return dict(results)
 
 
-def nb201_example() -> Any:
-    """``examples/nb201_digits.py`` as a module (examples/ is no package)."""
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+#: LightningCLI flags that keep the example runs short and their output out of the way.
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+         "--trainer.enable_checkpointing=false", "--trainer.logger=false"]
+
+
+def load_example(name: str) -> Any:
+    """``examples/<name>.py`` imported as module ``name`` (examples/ is no package)."""
     import importlib.util
     import sys
-    from pathlib import Path
 
-    name = "nb201_digits"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "examples" / "nb201_digits.py")
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
         assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec: jsonargparse and pickling resolve classes by module name
         spec.loader.exec_module(module)
     return sys.modules[name]
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytorch_lightning as pl  # noqa: E402
 
 import lightning_naspipe as lnp  # noqa: E402
-from helpers import nb201_example, nb201_trainer_kwargs  # noqa: E402
+from helpers import load_example, nb201_trainer_kwargs  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--balance", type=int, nargs="+", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    example = nb201_example()
+    example = load_example("nb201_digits")
     pl.seed_everything(42, verbose=False)
     model = example.NB201Supernet(channels=4)
     strategy = lnp.NASPipeStrategy(window=args.window, balance=args.balance)

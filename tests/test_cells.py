@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_naspipe as lnp
+from helpers import EXAMPLES, QUIET, load_example
 from lightning_naspipe.cells import Cell, Zero
 from lightning_naspipe.errors import NASPipeConfigError
 
@@ -278,23 +278,9 @@ class _Nothing(nn.Module):
 
 # -- the NB201 example -------------------------------------------------------------------------
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-         "--trainer.enable_checkpointing=false", "--trainer.logger=false"]
-
-
 @pytest.fixture(scope="module")
 def nb201() -> ModuleType:
-    """``examples/nb201_digits.py`` as module ``nb201_digits`` (examples/ is no package)."""
-    name = "nb201_digits"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / "nb201_digits.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before exec: jsonargparse resolves classes by module name
-    spec.loader.exec_module(module)
-    return module
+    return load_example("nb201_digits")
 
 
 def test_nb201_example_shipped_config_learns(nb201: ModuleType, tmp_path: Path,

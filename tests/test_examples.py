@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -15,27 +14,13 @@ import torch
 from pytorch_lightning.loggers import CSVLogger
 
 import lightning_naspipe as lnp
+from helpers import EXAMPLES, QUIET, load_example
 
 torch.set_num_threads(1)  # the conftest fixture pins it per test too; this covers module-level work
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-# Keeps the CLI runs short and their output out of the way.
-QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-         "--trainer.enable_checkpointing=false", "--trainer.logger=false"]
-
-
 @pytest.fixture(scope="module")
 def digits() -> ModuleType:
-    """``examples/digits_spos.py``, imported as module ``digits_spos`` (examples/ is no package)."""
-    name = "digits_spos"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / "digits_spos.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before exec: jsonargparse and pickling resolve classes by module name
-    spec.loader.exec_module(module)
-    return module
+    return load_example("digits_spos")
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from helpers import assert_same_state, nb201_example, nb201_trainer_kwargs
+from helpers import assert_same_state, load_example, nb201_trainer_kwargs
 from test_pipeline import _env
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def _checkpoint_state(path: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.set_num_threads(1)
-    example = nb201_example()
+    example = load_example("nb201_digits")
     pl.seed_everything(42, verbose=False)
     model = example.NB201Supernet(channels=4)
     trainer = pl.Trainer(**nb201_trainer_kwargs())
