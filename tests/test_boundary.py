@@ -269,3 +269,43 @@ def test_in_place_first_op_is_explained() -> None:
     net = lnp.Supernet(nn.Linear(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
     with pytest.raises(lnp.NASPipeConfigError, match="in place.*inplace=False"):
         Engine([range(3)]).train_window(FakeModule(net), _batches(1, 0), 0)
+
+
+def _two_process_worker(rank: int, port: int, results: dict, seeds: tuple[int, ...] = (3, 11)) -> None:
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_naspipe.transport import P2PTransport
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    for seed in seeds:
+        net = random_space(seed)
+        cut_at = min(j for j in range(2, len(net)) if j not in tied_cuts(net))
+        ranges = [range(0, cut_at), range(cut_at, len(net))]
+        module = FakeModule(net)
+        transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=120))
+        engine = Engine(ranges, stage=rank, chunks=2, transport=transport)
+        data = _batches(10, seed)
+        losses = [loss for start in range(0, 10, 8) for loss in engine.train_window(module, data[start:start + 8],
+                                                                                     start).losses]
+        own = {name: t for name, t in net.state_dict().items() if int(name.split(".")[1]) in ranges[rank]}
+        results[(seed, rank)] = (own, losses)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_random_spaces_on_two_stage_processes_equal_one_stage() -> None:
+    from helpers import spawn_gloo_pair
+
+    results = spawn_gloo_pair(_two_process_worker)
+    for seed in (3, 11):
+        state, _, losses = _train(random_space(seed), [range(len(random_space(seed)))], _batches(10, seed), 1, 2)
+        for rank in (0, 1):
+            own, got_losses = results[(seed, rank)]
+            for name, tensor in own.items():
+                assert torch.equal(tensor, state[name]), f"seed {seed}: {name} differs on rank {rank}"
+            assert all(torch.equal(a, b) for a, b in zip(got_losses, losses)) and len(got_losses) == len(losses)
