@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_naspipe.boundary import tensors_in
+from lightning_naspipe.boundary import map_tensors, tensors_in
 from lightning_naspipe.choice import active_architecture
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.optim import module_parameters, restrict_param_groups
@@ -84,7 +84,8 @@ def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
     return times
 
 
-def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int = 4, repeats: int = 2) -> list[float]:
+def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int = 4, repeats: int = 2,
+                        device: torch.device | None = None) -> list[float]:
     """Each block's measured forward + backward seconds for one subnet batch.
 
     Trains (forward and backward, no update) paths through copies of the first ``per_block``
@@ -97,11 +98,15 @@ def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int =
         example_input: what the first block receives for one subnet batch.
         per_block: candidates (and paths) timed per choice block.
         repeats: timed rounds.
+        device: where to time (the stage's compute device); default: where the blocks and the input are.
 
     Raises:
         NASPipeConfigError: a block cannot run on the example input (or on the previous block's output).
     """
     copies = [[copy.deepcopy(op) for op in _candidates(block)[:per_block]] for block in supernet.blocks]
+    if device is not None:
+        copies = [[op.to(device) for op in ops] for ops in copies]
+        example_input = map_tensors(lambda t: t.to(device), example_input)
     with torch.random.fork_rng(devices=[]):
         try:
             times = time_paths(copies, example_input, repeats)
@@ -116,13 +121,13 @@ def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int =
 
 
 def agreed_timed_weights(supernet: Supernet, example_input: Any, timing_rank: bool,
-                         broadcast: Callable[[Any], Any]) -> list[float]:
+                         broadcast: Callable[[Any], Any], device: torch.device | None = None) -> list[float]:
     """:func:`timed_block_weights` measured on one rank and ``broadcast`` to all, so every stage
     process splits alike; a timing error is raised on every rank, not only the timing one."""
     timed: tuple[list[float] | None, str] = (None, "")
     if timing_rank:
         try:
-            timed = (timed_block_weights(supernet, example_input), "")
+            timed = (timed_block_weights(supernet, example_input, device=device), "")
         except NASPipeConfigError as error:
             timed = (None, str(error))
     weights, message = broadcast(timed)

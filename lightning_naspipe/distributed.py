@@ -54,6 +54,35 @@ def sync_stage_weights(blocks: Sequence[nn.Module], stage_ranges: Sequence[range
         broadcast_tensors_(_unique(tensors), ranks[stage], device)
 
 
+def broadcast_blocks(blocks: Sequence[nn.Module], indices: Sequence[int], owners: Sequence[int],
+                     device: torch.device) -> None:
+    """Every rank gets the parameters and buffers of ``blocks[i]`` from rank ``owners[k]`` (``i = indices[k]``)."""
+    for i, owner in zip(indices, owners):
+        broadcast_tensors_(_unique([*blocks[i].parameters(), *blocks[i].buffers()]), owner, device)
+
+
+def hand_over_optimizer_state(optimizer: Optimizer, moving: dict[int, tuple[int, int]], rank: int,
+                              world_size: int) -> None:
+    """Move optimizer state between ranks: ``moving`` maps ``id(param)`` to ``(old owner, new owner)``.
+
+    The old owner sends the parameter's state (collective), the new owner keeps it on the
+    parameter's device (scalar step counters stay where torch keeps them, on the host).
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index_of = {id(p): i for i, p in enumerate(params)}
+    mine = {index_of[pid]: _to_cpu(optimizer.state[params[index_of[pid]]]) for pid, (old, _) in moving.items()
+            if old == rank and pid in index_of and params[index_of[pid]] in optimizer.state}
+    for part in gather_objects(mine, world_size):
+        for index, state in part.items():
+            p = params[index]
+            if moving[id(p)][1] == rank:
+                optimizer.state[p] = {k: v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0 else v
+                                      for k, v in state.items()}
+    for pid, (old, new) in moving.items():
+        if old == rank and new != rank and pid in index_of:
+            optimizer.state.pop(params[index_of[pid]], None)
+
+
 def gather_optimizer_state(optimizer: Optimizer, owned: set[int], device: torch.device) -> dict[str, Any]:
     """The optimizer's state dict in the standard layout, each parameter's state from its owner.
 

@@ -44,6 +44,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import block_weights, stage_ranges
+from lightning_naspipe.placement import move_blocks
 from lightning_naspipe.stage_table import stage_table
 from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
@@ -69,7 +70,9 @@ class NASPipeStrategy(ParallelStrategy):
             which is the default.
         balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
             and backward time, measured on the module's ``supernet_example_input`` when it sets one,
-            else by the expected parameter count of one subnet per block (see :mod:`.partition`).
+            else on the first training batch (``pipeline_input`` of it, on the stage's device): the
+            run starts on a split by parameter counts and moves blocks, with their weights and
+            optimizer state, before the first window trains. Results never depend on the split.
         schedule: ``"csp"`` (NASPipe); or, for comparison, ``"one_in_flight"`` (one subnet in the
             pipeline at a time, the research artifact's reproducible baseline), ``"gpipe"`` (the
             same with micro-batches filling and draining the pipeline per subnet; use ``chunks > 1``),
@@ -251,6 +254,8 @@ class NASPipeStrategy(ParallelStrategy):
         self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance, weights)
         self._split_costs = (weights, "ms") if weights is not None else (block_weights(supernet), "params")
         self._stages_reported = False
+        # Without a balance or an example input, the first real batch is timed (on_train_batch_start).
+        self._time_first_batch = self.balance is None and example is None and self.world_size > 1
         telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
         transport = None
         if self.world_size > 1:
@@ -264,14 +269,46 @@ class NASPipeStrategy(ParallelStrategy):
         if self.optimizers:
             drop_foreign_state(self.optimizers[0], self._owned())
         if self.offload:
-            optimizer = self.optimizers[0] if self.optimizers else None
-            # Every stage process computes every stage's sizes from shapes alone: same schedule everywhere.
-            sizes = [{key: estimated_bytes(state, optimizer) for key, state in supernet.stage_resources(b).items()}
-                     for b in self.stage_ranges]
-            self.engine.offloader = Offloader(supernet.stage_resources(self.engine.blocks), optimizer,
-                                              self.root_device, self.offload_budget_bytes, sizes[self.stage])
-            if self.offload_budget_bytes is not None:
-                self.engine.memory_budget = (self.offload_budget_bytes, sizes)
+            self._build_offloader()
+
+    def _build_offloader(self) -> None:
+        assert self.engine is not None
+        supernet = supernet_of(self.lightning_module)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        # Every stage process computes every stage's sizes from shapes alone: same schedule everywhere.
+        sizes = [{key: estimated_bytes(state, optimizer) for key, state in supernet.stage_resources(b).items()}
+                 for b in self.stage_ranges]
+        self.engine.offloader = Offloader(supernet.stage_resources(self.engine.blocks), optimizer,
+                                          self.root_device, self.offload_budget_bytes, sizes[self.stage])
+        if self.offload_budget_bytes is not None:
+            self.engine.memory_budget = (self.offload_budget_bytes, sizes)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._time_first_batch:
+            self._time_first_batch = False
+            self._balance_by_time(batch[0])
+
+    def _balance_by_time(self, batch: Any) -> None:
+        """Time the blocks on ``batch`` (the window's first) on this stage's device and move to the split
+        that balances that time (collective)."""
+        assert self.engine is not None and self.lightning_module is not None
+        supernet = supernet_of(self.lightning_module)
+        example = self.lightning_module.pipeline_input(batch)  # type: ignore[operator]
+        weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast, self.root_device)
+        ranges = stage_ranges(supernet, self.world_size, None, weights)
+        self._split_costs = (weights, "ms")
+        if ranges == self.stage_ranges:
+            return
+        before = [len(r) for r in self.stage_ranges]
+        move_blocks(supernet, self.optimizers[0] if self.optimizers else None, self.stage_ranges, ranges,
+                    self.stage, self.root_device, on_device=not self.offload)
+        self.stage_ranges = self.engine.stage_blocks = ranges
+        supernet.local_blocks = self.engine.blocks
+        if self.offload:
+            self._build_offloader()
+        rank_zero_info(f"NASPipe: blocks per stage {[len(r) for r in ranges]}, balanced by block time measured on "
+                       f"the first batch (was {before} by parameter counts).")
 
     @override
     def model_to_device(self) -> None:

@@ -51,7 +51,17 @@ def main() -> None:
     parser.add_argument("--schedule", default="csp")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
+    parser.add_argument("--fake-block-costs", type=float, nargs="+", default=None,
+                        help="what timing the first batch's blocks measures (records what it was timed on)")
     args = parser.parse_args()
+    if args.fake_block_costs:
+        import lightning_naspipe.block_timing as block_timing
+
+        def fake_timing(supernet: object, example: torch.Tensor, **kwargs: object) -> list[float]:
+            torch.save({"input": example.clone(), "device": str(kwargs.get("device"))}, args.out + ".timed_on")
+            return list(args.fake_block_costs)
+
+        block_timing.timed_block_weights = fake_timing  # type: ignore[assignment]
 
     pl.seed_everything(7, verbose=False)
     model = ToyNet()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lightning_naspipe as lnp
-from helpers import assert_same_state, train
+from helpers import ToyNet, assert_same_state, toy_loader, train
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("pipeline_run.py")
@@ -72,6 +72,20 @@ def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, wi
     # Every stage process uses one split (with a timed split: rank 0's timing, broadcast).
     splits = [torch.load(f"{ckpt}.ranges{rank}", weights_only=False) for rank in range(stages)]
     assert all(split == splits[0] for split in splits) and len(splits[0]) == stages
+
+
+def test_default_split_is_timed_on_the_first_batch_and_changes_nothing(tmp_path: Path, plain: dict) -> None:
+    # No balance, no example input: the blocks are timed on pipeline_input(first batch), here with
+    # costs that only a split of 4 + 1 blocks balances; the parameter split it starts from is another.
+    ckpt = _launch(tmp_path, "--devices", "2", "--window", "8", "--fake-block-costs", "1", "1", "1", "1", "50")
+    assert_same_state(plain, _state(ckpt))
+    assert torch.load(f"{ckpt}.ranges0", weights_only=False) == [range(0, 4), range(4, 5)]
+    assert torch.load(f"{ckpt}.ranges1", weights_only=False) == [range(0, 4), range(4, 5)]
+    timed_on = torch.load(f"{ckpt}.timed_on")
+    torch.manual_seed(7)
+    ToyNet()  # the same draws from the global RNG as the run before its first shuffle
+    first_batch = next(iter(toy_loader()))
+    assert torch.equal(timed_on["input"], first_batch[0]) and timed_on["device"] == "cpu"
 
 
 def test_offload_on_two_stages_equals_plain_trainer(tmp_path: Path, plain: dict) -> None:

@@ -1,0 +1,55 @@
+"""Changing which stage owns which blocks while training: the weights, buffers and optimizer state of
+every block that changes stage go from its old owner to its new one (collective, at a window boundary).
+
+The default split uses it once: the strategy starts on a split by parameter counts, times the blocks
+on the first real batch and moves to the split that balances the measured time. Results do not depend on
+it: a moved block continues from exactly the tensors its old owner held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_naspipe.distributed import broadcast_blocks, hand_over_optimizer_state
+from lightning_naspipe.supernet import Supernet
+
+
+def owner_of(ranges: Sequence[range], block: int) -> int:
+    """The stage whose range holds ``block``."""
+    return next(stage for stage, blocks in enumerate(ranges) if block in blocks)
+
+
+def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[range], new: Sequence[range],
+                stage: int, device: torch.device, on_device: bool) -> list[int]:
+    """Hand every block whose stage differs between ``old`` and ``new`` to its new owner (collective).
+
+    Args:
+        supernet: the search space (the same on every rank).
+        optimizer: the optimizer over the supernet's parameters, if any.
+        old: the block ranges per stage now.
+        new: the block ranges per stage to move to.
+        stage: this process's stage.
+        device: this stage's compute device.
+        on_device: whether this stage keeps its blocks on ``device`` (``False`` with offload, which
+            keeps them in host memory).
+
+    Returns:
+        The moved blocks.
+    """
+    moved = [i for i in range(len(supernet)) if owner_of(old, i) != owner_of(new, i)]
+    if not moved:
+        return moved
+    blocks = list(supernet.blocks)
+    broadcast_blocks(blocks, moved, [owner_of(old, i) for i in moved], device)
+    for i in moved:
+        if owner_of(new, i) == stage and on_device:
+            blocks[i].to(device)
+        elif owner_of(old, i) == stage:
+            blocks[i].to("cpu")  # no longer this stage's: free the device
+    if optimizer is not None:
+        moving = {id(p): (owner_of(old, i), owner_of(new, i)) for i in moved for p in blocks[i].parameters()}
+        hand_over_optimizer_state(optimizer, moving, stage, len(new))
+    return moved
