@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_naspipe as lnp
 from common import Result, add_common_args, bar_chart, fit_timed, launch, machine, naspipe_strategy, plot
 from common import print_table, ran_as_worker, time_balance, write_json
+from lightning_naspipe.partition import stage_ranges
 from lightning_naspipe.sampling import uniform_architecture
 from schedule_model import modelled_speedup, ranges_of
 
@@ -128,6 +129,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="fewer subnets, no chunks 8 / one_in_flight rows")
     parser.add_argument("--plot", default="docs/spos_cnn.png")
+    parser.add_argument("--default-split", action="store_true",
+                        help="no balance: the strategy's own split (timed on the first batch); default window 8")
     add_common_args(parser)
     args = parser.parse_args()
     if ran_as_worker(args, worker):
@@ -138,6 +141,8 @@ def main() -> None:
         configs = [c for c in CONFIGS if c[0] not in ("csp chunks 8", "one_in_flight")]
     module = SposCNN(args.channels, args.per_resolution)
     balance = time_balance(module.supernet, random_images(args.batch, args.batch, args.size).dataset[:][0], 2)
+    if args.default_split:
+        balance, args.window = None, 8
     print(f"space: SPOS-style CNN, {len(module.supernet)} blocks (trainable stem and head, 4 candidates per choice "
           f"block), {args.channels} base channels, {args.size}x{args.size} inputs, batch {args.batch} per subnet; "
           f"window {args.window}, balance {balance}; {machine()}")
@@ -152,7 +157,8 @@ def main() -> None:
                "balance": balance}
         results[name] = launch(__file__, cfg, args.repeats)
         if stages:  # what the schedule alone predicts (schedule_model.py)
-            results[name]["model"] = modelled_speedup(module.supernet, ranges_of(balance),
+            split = balance or [len(r) for r in stage_ranges(module.supernet, 2)]  # the model needs one
+            results[name]["model"] = modelled_speedup(module.supernet, ranges_of(split),
                                                       lambda i: uniform_architecture(module.supernet.labels, 0, i),
                                                       schedule, chunks, args.window)
     rows = [(name, "yes" if chunks == 1 else "yes*", results[name]) for name, _, _, chunks in configs]

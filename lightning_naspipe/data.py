@@ -156,3 +156,17 @@ class WindowLoader:
             yield batches
             if exhausted:
                 return
+
+
+def refuse_distributed_sampler(dataloader: object) -> None:
+    """Every stage must see the same batches: a ``DistributedSampler`` (one shard per rank) is an error."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = getattr(dataloader, "sampler", None)
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None),
+                                                             DistributedSampler):
+        raise NASPipeConfigError(
+            "The dataloader uses a DistributedSampler, which gives each stage different data; every NASPipe "
+            "stage must see the same batches. Use a normal sampler (e.g. DataLoader(..., shuffle=True))."
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 from lightning_naspipe.distributed import broadcast_blocks, hand_over_optimizer_state
@@ -20,6 +21,20 @@ from lightning_naspipe.supernet import Supernet
 def owner_of(ranges: Sequence[range], block: int) -> int:
     """The stage whose range holds ``block``."""
     return next(stage for stage, blocks in enumerate(ranges) if block in blocks)
+
+
+def place_module(module: nn.Module, supernet: Supernet, own: Sequence[int] | None, device: torch.device) -> None:
+    """Put the stage's ``own`` blocks (all when ``None``) and everything of ``module`` outside the supernet
+    on ``device``; the other blocks stay where the user built them."""
+    for i, block in enumerate(supernet.blocks):
+        if own is None or i in own:
+            block.to(device)
+    for child in module.children():
+        if child is not supernet:
+            child.to(device)
+    for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        tensor.data = tensor.data.to(device)
+    module._device = device  # type: ignore[assignment]  # LightningModule's device property reads it
 
 
 def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[range], new: Sequence[range],

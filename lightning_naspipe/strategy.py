@@ -32,19 +32,18 @@ from pytorch_lightning.strategies.strategy import TBroadcast
 from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
-from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.callback import NASPipeCallback, validate_run
-from lightning_naspipe.data import DataTracker, WindowLoader
+from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import block_weights, stage_ranges
-from lightning_naspipe.placement import move_blocks
+from lightning_naspipe.placement import move_blocks, place_module
 from lightning_naspipe.stage_table import stage_table
 from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
@@ -312,23 +311,10 @@ class NASPipeStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # Only this stage's blocks go to the device; the others stay where the user built them.
-        module = self.lightning_module
-        assert module is not None
-        supernet = supernet_of(module)
-        # With offload the stage's blocks stay in host memory; the offloader moves them on demand.
-        own: set[int] = set()
-        if not self.offload:
-            own = set(self.engine.blocks if self.engine is not None else range(len(supernet)))
-        for i, block in enumerate(supernet.blocks):
-            if i in own:
-                block.to(self.root_device)
-        for name, child in module.named_children():
-            if child is not supernet:
-                child.to(self.root_device)
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            tensor.data = tensor.data.to(self.root_device)
-        module._device = self.root_device
+        # Only this stage's blocks go to the device (none with offload: the offloader moves them on demand).
+        assert self.lightning_module is not None
+        own = range(0) if self.offload else self.engine.blocks if self.engine is not None else None
+        place_module(self.lightning_module, supernet_of(self.lightning_module), own, self.root_device)
 
     def _owned(self) -> set[int]:
         assert self.engine is not None
@@ -400,14 +386,7 @@ class NASPipeStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        sampler = getattr(dataloader, "sampler", None)
-        batch_sampler = getattr(dataloader, "batch_sampler", None)
-        if isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None),
-                                                                 DistributedSampler):
-            raise NASPipeConfigError(
-                "The dataloader uses a DistributedSampler, which gives each stage different data; every NASPipe "
-                "stage must see the same batches. Use a normal sampler (e.g. DataLoader(..., shuffle=True))."
-            )
+        refuse_distributed_sampler(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
