@@ -81,8 +81,9 @@ def backward_through(outputs: Any, grads: Sequence[Tensor | None]) -> None:
 
 
 def leaf_grads(inputs: Any) -> tuple[Tensor | None, ...]:
-    """The gradients a block's input leaves received (``None`` where none flowed)."""
-    return tuple(t.grad for t in grad_targets(inputs))
+    """The gradients a block's input leaves received (``None`` where none flowed), in boundary layout
+    as the transport would deliver them (autograd already lays a leaf's gradient out like the leaf)."""
+    return tuple(None if t.grad is None else laid_out(t.grad) for t in grad_targets(inputs))
 
 
 def device_of(value: Any) -> torch.device:

@@ -100,7 +100,12 @@ def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches
     losses: list[Tensor] = []
     errors: list[BaseException] = []
 
+    threads_per_op = torch.get_num_threads()
+
     def stage_thread(engine: Engine, windows: list[Window]) -> None:
+        # OpenMP's thread count is per OS thread: a new thread would compute with the default count
+        # (all cores), and kernels that split work across threads sum in another order.
+        torch.set_num_threads(threads_per_op)
         with world.baton:
             try:
                 for start in range(0, len(batches), window):

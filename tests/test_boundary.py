@@ -309,3 +309,41 @@ def test_random_spaces_on_two_stage_processes_equal_one_stage() -> None:
             for name, tensor in own.items():
                 assert torch.equal(tensor, state[name]), f"seed {seed}: {name} differs on rank {rank}"
             assert all(torch.equal(a, b) for a, b in zip(got_losses, losses)) and len(got_losses) == len(losses)
+
+
+class ChannelsLastStem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.view(len(x), 1, 1, 5).expand(len(x), 1, 3, 5)).to(memory_format=torch.channels_last)
+
+
+class Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(15, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.mean(1).flatten(1)  # (N, 15)
+        return self.lin(flat).t(), flat  # a non-contiguous view, and a tensor used here and passed on
+
+
+class FromTransposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(19, 2)
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lin(torch.cat([value[0].t(), value[1]], 1))
+
+
+def test_layouts_crossing_a_cut_are_the_in_process_layouts() -> None:
+    torch.manual_seed(3)
+    net = lnp.Supernet(ChannelsLastStem(), lnp.ChoiceBlock([nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Identity()]),
+                       Transposed(), FromTransposed())
+    data = _batches(8, 6)
+    reference = _train(net, [range(len(net))], data, 1, 2)
+    for j in range(1, len(net)):
+        _assert_same(reference, _train(net, [range(0, j), range(j, len(net))], data, 8, 2), f"cut {j}")
