@@ -36,8 +36,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 import lightning_naspipe as lnp
 from common import Result, add_common_args, fit_timed, launch, machine, ok, plot, ran_as_worker, rate, ratio
 from common import write_json
@@ -59,11 +57,6 @@ def worker(cfg: dict[str, Any]) -> None:
     fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, max(cfg["stages"], 1))
     if isinstance(strategy, lnp.NASPipeStrategy) and strategy.is_global_zero:
         add_to_result(cfg["out"], split=[len(r) for r in strategy.stage_ranges])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Lightning destroys only NCCL groups at exit; an undestroyed gloo group sometimes aborts the process
-        # during interpreter shutdown ("terminate called without an active exception", pytorch#190489),
-        # after the result is written, and launch() would count the run as failed.
-        torch.distributed.destroy_process_group()
 
 
 def add_to_result(path: str, **entries: Any) -> None:

@@ -9,6 +9,7 @@ group is gloo on CPU and NCCL on CUDA.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
+    _destroy_dist_connection,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
@@ -230,6 +232,9 @@ class NASPipeStrategy(ParallelStrategy):
             self._process_group_backend = backend
             assert self.cluster_environment is not None
             _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
+            if backend != "nccl":  # Lightning registers this for NCCL only; an undestroyed gloo group
+                atexit.unregister(_destroy_dist_connection)  # sometimes aborts the process at exit
+                atexit.register(_destroy_dist_connection)  # (once, however many fits)
         # Runs after the module's configure_callbacks and before checkpoint restore, so a module
         # that overrides configure_callbacks still gets the callback and its resume state.
         trainer = self._trainer()
