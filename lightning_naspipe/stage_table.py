@@ -56,3 +56,21 @@ def stage_table(supernet: Supernet, ranges: Sequence[range], weights: Sequence[f
                      f"{share:.0%} ({unit})", sends[s] or "-"))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return "\n".join(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def serialising_blocks(supernet: Supernet, blocks: Sequence[int]) -> list[int]:
+    """The blocks among ``blocks`` whose own (fixed) parameters or buffers every subnet uses: a stem,
+    a head, a norm. CSP never overlaps two subnets on a stage that holds one."""
+    return [i for i in blocks if supernet.block_scopes(i).path[-1:] == (-1,)
+            and (supernet.block_scopes(i).params or supernet.block_scopes(i).buffers)]
+
+
+def chunks_hint(supernet: Supernet, ranges: Sequence[range], chunks: int) -> str | None:
+    """Advice when every stage serialises subnets and nothing else can overlap them (``chunks == 1``)."""
+    shared = [serialising_blocks(supernet, blocks) for blocks in ranges]
+    if chunks > 1 or len(ranges) < 2 or not all(shared):
+        return None
+    where = "; ".join(f"stage {s}: block(s) {', '.join(map(str, b))}" for s, b in enumerate(shared))
+    return (f"Every subnet trains the fixed blocks of each stage ({where}), so no two subnets can be in flight on "
+            "one stage and with chunks=1 the stages take turns. NASPipeStrategy(chunks=4) pipelines each subnet's "
+            "micro-batches (results are exact for equal chunks).")

@@ -46,7 +46,7 @@ from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import block_weights, stage_ranges
 from lightning_naspipe.placement import move_blocks, place_module
-from lightning_naspipe.stage_table import stage_table
+from lightning_naspipe.stage_table import chunks_hint, stage_table
 from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport import P2PTransport
@@ -379,7 +379,8 @@ class NASPipeStrategy(ParallelStrategy):
         if self.is_global_zero:
             costs, unit = self._split_costs
             table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends)
-            rank_zero_info(f"NASPipe stages:\n{table}")
+            hint = chunks_hint(supernet_of(self.lightning_module), self.stage_ranges, self.chunks)
+            rank_zero_info(f"NASPipe stages:\n{table}" + (f"\n{hint}" if hint else ""))
 
     def _write_trace(self) -> None:
         assert self.engine is not None and self.engine.telemetry is not None and self.trace_dir is not None

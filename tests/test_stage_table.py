@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.stage_table import describe, stage_table
+from lightning_naspipe.stage_table import chunks_hint, describe, serialising_blocks, stage_table
 
 
 def test_describe_names_structure_dtypes_and_shapes() -> None:
@@ -22,3 +22,13 @@ def test_table_has_a_row_per_stage_with_its_blocks_labels_parameters_cost_and_se
     assert rows[0] == ["stage", "blocks", "labels", "parameters", "cost", "sends to the next stage"]
     assert rows[1] == ["0", "0-1", "a", "32", "75% (ms)", "float32[8, 4]"]
     assert rows[2] == ["1", "2-2", "b", "20", "25% (ms)", "-"]
+
+
+def test_a_hint_names_the_blocks_that_serialise_every_stage_at_chunks_1() -> None:
+    net = lnp.Supernet(nn.Linear(2, 4), lnp.ChoiceBlock([nn.Linear(4, 4), nn.Identity()]), nn.ReLU(),
+                       nn.Sequential(nn.LayerNorm(4), lnp.ChoiceBlock([nn.Tanh(), nn.ReLU()])))
+    assert serialising_blocks(net, range(4)) == [0, 3]  # a choice's candidates and parameter-free blocks do not
+    hint = chunks_hint(net, [range(0, 2), range(2, 4)], chunks=1)
+    assert hint is not None and "stage 0: block(s) 0; stage 1: block(s) 3" in hint and "chunks=4" in hint
+    assert chunks_hint(net, [range(0, 2), range(2, 4)], chunks=2) is None
+    assert chunks_hint(net, [range(0, 1), range(1, 3), range(3, 4)], chunks=1) is None  # stage 1 overlaps subnets
