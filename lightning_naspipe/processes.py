@@ -1,0 +1,132 @@
+"""One process per pipeline stage: launching, ranks, the process group and collectives.
+
+The part of :class:`~.strategy.NASPipeStrategy` that is about processes, not about the pipeline:
+Lightning's own launchers (or ``torchrun``, SLURM, ...), gloo on CPU and NCCL on CUDA, and the
+strategy collectives Lightning calls (``reduce``, ``barrier``, ``broadcast``).
+"""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from pytorch_lightning.strategies.strategy import TBroadcast
+from pytorch_lightning.utilities import rank_zero_only
+from torch.distributed import ReduceOp
+from typing_extensions import override
+
+from lightning_naspipe.errors import NASPipeConfigError
+
+
+class StageProcesses(ParallelStrategy):
+    """A parallel strategy with one process per stage; every process sees the whole data.
+
+    Subclasses set ``num_stages``, ``timeout``, ``_process_group_backend``, ``_start_method`` and
+    ``_num_nodes`` in their ``__init__``.
+    """
+
+    num_stages: int | None
+    timeout: timedelta
+    _process_group_backend: str | None
+    _start_method: Literal["popen", "spawn", "fork", "forkserver"]
+    _num_nodes: int
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None, "the Trainer sets parallel_devices"
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a sharding DistributedSampler for distributed strategies; every stage
+        # must see the whole batch sequence of the one-device run, so never.
+        return False
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def stage(self) -> int:
+        """This process's pipeline stage (its global rank)."""
+        return self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.num_processes * self.num_nodes == 1 and not self.cluster_environment.creates_processes_externally:
+            # Nothing to launch. Lightning's launchers would also change the intra-op thread count
+            # (OMP_NUM_THREADS), and with it the float results of CPU kernels.
+            self._launcher = None
+        elif self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        stages = self.num_stages if self.num_stages is not None else self.world_size
+        if stages != self.world_size:
+            raise NASPipeConfigError(
+                f"NASPipeStrategy(num_stages={stages}) needs one process per stage, but the Trainer starts "
+                f"{self.world_size}; set devices x num_nodes = {stages}, or leave num_stages unset."
+            )
+        super().setup_environment()
+        if self.world_size > 1:
+            self.set_world_ranks()
+            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            self._process_group_backend = backend
+            assert self.cluster_environment is not None
+            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
+            if backend != "nccl":  # Lightning registers this for NCCL only; an undestroyed gloo group
+                atexit.unregister(_destroy_dist_connection)  # sometimes aborts the process at exit
+                atexit.register(_destroy_dist_connection)  # (once, however many fits)
+
+    # -- collectives ----------------------------------------------------------------------------
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
