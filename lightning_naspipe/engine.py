@@ -12,6 +12,7 @@ its own row of it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -122,6 +123,8 @@ class Engine:
         self.offloader = offloader
         self.memory_budget = memory_budget
         self.telemetry = telemetry
+        #: Seconds this stage has computed in windows (waiting for neighbours excluded): rebalancing input.
+        self.busy_s = 0.0
 
     @property
     def blocks(self) -> range:
@@ -168,7 +171,9 @@ class Engine:
             self.telemetry.begin_window()
         if self.transport is not None:
             self.transport.begin_window(plan.schedule)
+        start, waited = time.perf_counter(), getattr(self.transport, "wait_s", 0.0)
         executor.run(actions, window, update, residency.before_forward if residency else None)
+        self.busy_s += time.perf_counter() - start - (getattr(self.transport, "wait_s", 0.0) - waited)
         if residency is not None:
             residency.finish()
         if self.transport is not None:

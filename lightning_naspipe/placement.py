@@ -68,3 +68,44 @@ def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[r
         moving = {id(p): (owner_of(old, i), owner_of(new, i)) for i in moved for p in blocks[i].parameters()}
         hand_over_optimizer_state(optimizer, moving, stage, len(new))
     return moved
+
+
+def rebalanced(ranges: Sequence[range], busy: Sequence[float], weights: Sequence[float],
+               forbidden: frozenset[int] = frozenset(), margin: float = 0.1) -> list[range] | None:
+    """One block moved off the busiest stage to a neighbour, if that clearly relieves the bottleneck.
+
+    A stage's measured ``busy`` time is shared among its blocks in proportion to their ``weights``
+    (the split's block costs); the move is the edge block toward a less busy neighbour whose
+    predicted new maximum is lowest.
+
+    Args:
+        ranges: the blocks of each stage now.
+        busy: each stage's busy seconds over the same windows.
+        weights: each block's cost estimate.
+        forbidden: cut positions that must not be used (tied weights, :func:`.partition.tied_cuts`).
+        margin: the busiest stage must get at least this much faster (0.1: by 10%).
+
+    Returns:
+        The new ranges, or ``None`` when no move helps by ``margin``.
+    """
+    slowest = max(range(len(ranges)), key=lambda s: busy[s])
+    best: tuple[float, list[range]] | None = None
+    for neighbour, block in ((slowest - 1, ranges[slowest].start), (slowest + 1, ranges[slowest].stop - 1)):
+        if not 0 <= neighbour < len(ranges) or len(ranges[slowest]) < 2:
+            continue
+        share = weights[block] / max(sum(weights[i] for i in ranges[slowest]), 1e-12)
+        moved = busy[slowest] * share
+        after = list(busy)
+        after[slowest] -= moved
+        after[neighbour] += moved
+        cut = ranges[slowest].start + 1 if neighbour < slowest else ranges[slowest].stop - 1
+        if cut in forbidden or max(after) > busy[slowest] * (1 - margin):
+            continue
+        new = list(ranges)
+        if neighbour < slowest:
+            new[neighbour], new[slowest] = range(new[neighbour].start, cut), range(cut, new[slowest].stop)
+        else:
+            new[slowest], new[neighbour] = range(new[slowest].start, cut), range(cut, new[neighbour].stop)
+        if best is None or max(after) < best[0]:
+            best = (max(after), new)
+    return best[1] if best is not None else None

@@ -30,8 +30,8 @@ from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.mixin import supernet_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
-from lightning_naspipe.partition import block_weights, stage_ranges
-from lightning_naspipe.placement import move_blocks, place_module
+from lightning_naspipe.partition import block_weights, stage_ranges, tied_cuts
+from lightning_naspipe.placement import move_blocks, place_module, rebalanced
 from lightning_naspipe.processes import StageProcesses
 from lightning_naspipe.stage_table import chunks_hint, stage_table
 from lightning_naspipe.schedule import SCHEDULES
@@ -66,6 +66,10 @@ class NASPipeStrategy(StageProcesses):
             same with micro-batches filling and draining the pipeline per subnet; use ``chunks > 1``),
             or ``"async"`` (ignores parameter sharing between in-flight subnets: faster, but NOT
             reproducible). All but ``"async"`` keep the exactness contract.
+        rebalance_every: every this many windows, the stages' measured busy times are compared and, when
+            the busiest stage would get at least 10% faster, its edge block moves to a less busy
+            neighbour (weights, buffers and optimizer state move with it; logged). ``None`` keeps the
+            split fixed; an explicit ``balance`` is never changed. Results never depend on it.
         offload: keep each stage's blocks (parameters, buffers and the optimizer state of
             candidates not in flight) in host memory — pinned on CUDA — and hold on the device only
             what in-flight subnets use plus a small prefetch buffer filled along the known schedule.
@@ -99,6 +103,7 @@ class NASPipeStrategy(StageProcesses):
         num_stages: int | None = None,
         balance: Sequence[int] | None = None,
         schedule: str = "csp",
+        rebalance_every: int | None = 16,
         offload: bool = False,
         offload_budget_bytes: int | None = None,
         telemetry: bool = False,
@@ -127,6 +132,10 @@ class NASPipeStrategy(StageProcesses):
         self.chunks = chunks
         self.num_stages = num_stages
         self.balance = list(balance) if balance is not None else None
+        if rebalance_every is not None:
+            _check_positive("rebalance_every", rebalance_every, "how many windows pass between rebalancing checks, "
+                            "or None to keep the split fixed")
+        self.rebalance_every = rebalance_every if balance is None else None  # an explicit balance is kept
         if schedule not in SCHEDULES:
             raise NASPipeConfigError(
                 f"NASPipeStrategy(schedule={schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}."
@@ -183,6 +192,7 @@ class NASPipeStrategy(StageProcesses):
         self._stages_reported = False
         # Without a balance or an example input, the first real batch is timed (on_train_batch_start).
         self._time_first_batch = self.balance is None and example is None and self.world_size > 1
+        self._windows, self._busy_before = 0, [0.0] * self.world_size
         telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
         transport = None
         if self.world_size > 1:
@@ -215,27 +225,49 @@ class NASPipeStrategy(StageProcesses):
         if self._time_first_batch:
             self._time_first_batch = False
             self._balance_by_time(batch[0])
+        self._windows += 1
+        if self.rebalance_every and self.world_size > 1 and self._windows % self.rebalance_every == 0:
+            self._rebalance()
 
     def _balance_by_time(self, batch: Any) -> None:
         """Time the blocks on ``batch`` (the window's first) on this stage's device and move to the split
         that balances that time (collective)."""
-        assert self.engine is not None and self.lightning_module is not None
+        assert self.lightning_module is not None
         supernet = supernet_of(self.lightning_module)
         example = self.lightning_module.pipeline_input(batch)  # type: ignore[operator]
         weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast, self.root_device)
-        ranges = stage_ranges(supernet, self.world_size, None, weights)
         self._split_costs = (weights, "ms")
+        self._move_to(stage_ranges(supernet, self.world_size, None, weights),
+                      "balanced by block time measured on the first batch")
+
+    def _rebalance(self) -> None:
+        """Move one block off the busiest stage if its measured busy time says it is clearly the
+        bottleneck (collective; every rank decides alike from the same gathered times)."""
+        assert self.engine is not None
+        busy = gather_objects(self.engine.busy_s, self.world_size)
+        since = [b - a for a, b in zip(self._busy_before, busy)]
+        self._busy_before = busy
+        supernet = supernet_of(self.lightning_module)
+        ranges = rebalanced(self.stage_ranges, since, self._split_costs[0], tied_cuts(supernet))
+        if ranges is not None:
+            shares = ", ".join(f"{b:.2f}" for b in since)
+            self._move_to(ranges, f"rebalanced: stage busy seconds over the last {self.rebalance_every} windows "
+                                  f"were {shares}")
+
+    def _move_to(self, ranges: list[range], why: str) -> None:
+        """Hand blocks to their stages in ``ranges``, with weights and optimizer state (collective)."""
+        assert self.engine is not None
         if ranges == self.stage_ranges:
             return
         before = [len(r) for r in self.stage_ranges]
+        supernet = supernet_of(self.lightning_module)
         move_blocks(supernet, self.optimizers[0] if self.optimizers else None, self.stage_ranges, ranges,
                     self.stage, self.root_device, on_device=not self.offload)
         self.stage_ranges = self.engine.stage_blocks = ranges
         supernet.local_blocks = self.engine.blocks
         if self.offload:
             self._build_offloader()
-        rank_zero_info(f"NASPipe: blocks per stage {[len(r) for r in ranges]}, balanced by block time measured on "
-                       f"the first batch (was {before} by parameter counts).")
+        rank_zero_info(f"NASPipe: blocks per stage {[len(r) for r in ranges]} (was {before}), {why}.")
 
     @override
     def model_to_device(self) -> None:

@@ -60,6 +60,8 @@ class P2PTransport:
         self._link_size: dict[tuple[str, int], int] = {}
         #: Point-to-point messages this stage has sent (values plus size announcements).
         self.messages_sent = 0
+        #: Seconds spent waiting for messages (the rest of a window's run is busy time).
+        self.wait_s = 0.0
         #: What the first activation this stage sent looked like (see :func:`.stage_table.describe`).
         self.first_activation: str | None = None
 
@@ -165,8 +167,9 @@ class P2PTransport:
             raise _lost(stage, src, error) from error
         start = time.perf_counter()
         self._wait(work, f"receive from stage {stage} (rank {src})", stage=stage, rank=src)
+        end = time.perf_counter()
+        self.wait_s += end - start
         if self.telemetry is not None:
-            end = time.perf_counter()
             self.telemetry.waited(end - start, end)
 
     def _wait(self, work: Any, what: str, stage: int | None = None, rank: int | None = None) -> None:

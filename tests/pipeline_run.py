@@ -53,7 +53,22 @@ def main() -> None:
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
     parser.add_argument("--fake-block-costs", type=float, nargs="+", default=None,
                         help="what timing the first batch's blocks measures (records what it was timed on)")
+    parser.add_argument("--force-rebalance", action="store_true",
+                        help="check the balance every window and move the first stage cut there and back")
     args = parser.parse_args()
+    if args.force_rebalance:
+        import lightning_naspipe.strategy as strategy_module
+
+        def alternate(ranges: list[range], busy: object, weights: object, forbidden: object) -> list[range] | None:
+            grow = len(ranges[1]) > 1 and (len(ranges[0]) == 1 or ranges[0].stop % 2 == 1)
+            if not grow and len(ranges[0]) == 1:
+                return None
+            cut = ranges[0].stop + (1 if grow else -1)
+            with open(args.out + ".moves", "a") as moves:
+                moves.write(f"{os.getpid()} {cut}\n")
+            return [range(0, cut), range(cut, ranges[1].stop), *ranges[2:]]
+
+        strategy_module.rebalanced = alternate  # type: ignore[assignment]
     if args.fake_block_costs:
         import lightning_naspipe.block_timing as block_timing
 
@@ -77,7 +92,8 @@ def main() -> None:
                    "enable_checkpointing": True}
     trainer = pl.Trainer(**trainer_kwargs(
         strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload,
-                                    schedule=args.schedule), devices=args.devices,
+                                    schedule=args.schedule, rebalance_every=1 if args.force_rebalance else 16),
+        devices=args.devices,
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,
         **logging,
     ))

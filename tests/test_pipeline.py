@@ -88,6 +88,16 @@ def test_default_split_is_timed_on_the_first_batch_and_changes_nothing(tmp_path:
     assert torch.equal(timed_on["input"], first_batch[0]) and timed_on["device"] == "cpu"
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_rebalancing_every_window_changes_nothing(tmp_path: Path, plain: dict, offload: bool) -> None:
+    # The first cut moves every window (there and back), with weights, buffers and Adam state.
+    ckpt = _launch(tmp_path, "--devices", "3", "--window", "4", "--force-rebalance",
+                   *(["--offload"] if offload else []))
+    assert_same_state(plain, _state(ckpt))
+    moves = Path(f"{ckpt}.moves").read_text().split("\n")[:-1]
+    assert len(moves) >= 3 * 6  # 3 ranks, one move per window after the first: 24 subnets / window 4
+
+
 def test_offload_on_two_stages_equals_plain_trainer(tmp_path: Path, plain: dict) -> None:
     assert_same_state(plain, _state(_launch(tmp_path, "--devices", "2", "--window", "8", "--offload")))
 
