@@ -61,8 +61,8 @@ def stage_table(supernet: Supernet, ranges: Sequence[range], weights: Sequence[f
 def serialising_blocks(supernet: Supernet, blocks: Sequence[int]) -> list[int]:
     """The blocks among ``blocks`` whose own (fixed) parameters or buffers every subnet uses: a stem,
     a head, a norm. CSP never overlaps two subnets on a stage that holds one."""
-    return [i for i in blocks if supernet.block_scopes(i).path[-1:] == (-1,)
-            and (supernet.block_scopes(i).params or supernet.block_scopes(i).buffers)]
+    roots = {i: supernet.block_scopes(i) for i in blocks}
+    return [i for i, root in roots.items() if root.path[-1:] == (-1,) and (root.params or root.buffers)]
 
 
 def chunks_hint(supernet: Supernet, ranges: Sequence[range], chunks: int) -> str | None:

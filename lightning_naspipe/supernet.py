@@ -71,7 +71,7 @@ class Supernet(nn.Module):
             self._register_labels(i, block)
         self._check_whens()
         self._scopes = [block_scope(i, block) for i, block in enumerate(expanded)]
-        self._key_of, self._states = self._index_resources()
+        self._key_of, self._states, self._blocks_of = self._index_resources()
         self._cache: dict[tuple[int, tuple[int, ...]], frozenset[Resource]] = {}
         self._block_labels = [sorted({label for s in root.walk() for label, _, _ in s.choices})
                               for root in self._scopes]
@@ -108,8 +108,10 @@ class Supernet(nn.Module):
                     f"supernet's labels are {self.labels}; name a ChoiceBlock's label and valid choices."
                 )
 
-    def _index_resources(self) -> tuple[dict[tuple[int, ...], Resource], dict[Resource, ResourceState]]:
-        """Merge scopes that share a tensor into one resource, keyed by the first scope's path."""
+    def _index_resources(self) -> tuple[dict[tuple[int, ...], Resource], dict[Resource, ResourceState],
+                                        dict[Resource, list[int]]]:
+        """Merge scopes that share a tensor into one resource, keyed by the first scope's path: each scope's
+        key, each resource's tensors and the blocks its scopes are in."""
         scopes = [s for root in self._scopes for s in root.walk() if s.params or s.buffers]
         parent = list(range(len(scopes)))
 
@@ -134,7 +136,8 @@ class Supernet(nn.Module):
             params = {id(p): p for s in group for p in s.params}
             slots = {(id(m), n): (m, n) for s in group for m, n in s.buffers}
             states[key] = ResourceState(tuple(params.values()), tuple(slots.values()))
-        return key_of, states
+        blocks_of = {key: sorted({s.path[0] for s in group}) for key, group in members.items()}
+        return key_of, states, blocks_of
 
     def block_scopes(self, index: int) -> Scope:
         """Block ``index``'s scope tree (see :class:`~.choice.Scope`)."""
@@ -204,7 +207,7 @@ class Supernet(nn.Module):
 
     def resource_blocks(self, resource: Resource) -> list[int]:
         """The blocks whose scopes make up ``resource`` (several when a tensor is tied across blocks)."""
-        return sorted({path[0] for path, key in self._key_of.items() if key == resource})
+        return self._blocks_of[resource]
 
     def forward(self, x: object, architecture: Mapping[str, int]) -> object:
         """Run the whole subnet ``architecture`` on ``x`` (no keyed randomness; for inference)."""
