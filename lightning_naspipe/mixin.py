@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from lightning_naspipe.engine import EngineModule
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.executor import Window
+from lightning_naspipe.loss_log import log_window_losses
 from lightning_naspipe.sampling import EVAL_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.supernet import Architecture, Supernet
 
@@ -168,17 +169,12 @@ class NASPipeMixin:
     def _report(self, window: Window, batches: list[Any]) -> Tensor | None:
         from pytorch_lightning.utilities.data import extract_batch_size
 
-        module: pl.LightningModule = self  # type: ignore[assignment]
+        log_window_losses(self, window.first_index, window.losses, [extract_batch_size(b) for b in batches])
         reported = []
-        for k, (batch, loss) in enumerate(zip(batches, window.losses)):
-            if loss is None:
-                continue
-            reported.append(loss)
-            # Logged once per subnet: the step value is the window's last subnet, the epoch value
-            # averages every subnet, exactly as in the sequential path.
-            module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True,
-                       batch_size=extract_batch_size(batch))
-            self.on_train_subnet_end(window.first_index + k, window.architectures[k], loss)
+        for k, loss in enumerate(window.losses):
+            if loss is not None:
+                reported.append(loss)
+                self.on_train_subnet_end(window.first_index + k, window.architectures[k], loss)
         return reported[-1] if reported else None
 
     def _sequential_engine(self) -> Engine:

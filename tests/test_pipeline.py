@@ -22,6 +22,7 @@ import torch
 
 import lightning_naspipe as lnp
 from helpers import ToyNet, assert_same_state, toy_loader, train
+from test_loss_log import logged_rows
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("pipeline_run.py")
@@ -134,6 +135,10 @@ def test_logging_and_validation_match_plain_run(tmp_path: Path) -> None:
     for key in ("val_loss", "train_loss_epoch"):
         assert len(piped[key]) == 2  # one value per epoch
         assert piped[key] == plain_rows[key]
+    # Every subnet's training loss at its own step, window or not: the plain run's series.
+    steps = [step for step, _, key, _ in logged_rows(tmp_path / "plain") if key == "train_loss_step"]
+    assert steps == [str(s) for s in range(24)]
+    assert logged_rows(tmp_path / "piped") == logged_rows(tmp_path / "plain")
     best = torch.load(tmp_path / "piped" / "best.ckpt", weights_only=False)  # ModelCheckpoint(monitor="val_loss")
     assert best["callbacks"] and best["global_step"] in (12, 24)
 

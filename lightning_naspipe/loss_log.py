@@ -1,0 +1,74 @@
+"""A window's training losses logged as the plain Trainer logs them, one subnet at a time.
+
+Under the pipeline strategy one Lightning batch trains a window of subnets. The plain Trainer
+(one subnet per batch) logs each subnet's ``train_loss`` once: its loggers get ``train_loss_step``
+at step = the subnet's index every ``log_every_n_steps`` subnets, and ``train_loss_epoch`` is the
+batch-size-weighted mean over the epoch. :func:`log_window_losses` gives the same series:
+
+- the epoch mean is accumulated subnet by subnet, in the same order and arithmetic as
+  ``self.log`` (Lightning's result metric ``value + loss * batch_size``), so it is bitwise equal;
+- loggers get each subnet's point at its own step, and Lightning's step counter for loggers
+  (``_batches_that_stepped``) counts subnets, so the window's last point, Lightning's own epoch
+  point and every other step-axis value line up with the plain run's.
+
+Cost: one ``self.log`` per window (about 0.5 ms in Lightning, mostly moving its metric to the
+device) and a few tensor operations per further subnet, instead of one ``self.log`` per subnet on
+every stage process.
+
+Private Lightning API used (see docs/design.md): ``trainer._results.update_metrics`` and
+``trainer._logger_connector.log_metrics``, and ``fit_loop.epoch_loop._batches_that_stepped``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_naspipe.errors import NASPipeConfigError
+
+TRAIN_LOSS = "train_loss"
+
+
+def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | None],
+                      batch_sizes: Sequence[int]) -> None:
+    """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) as the plain
+    Trainer would have in ``first_index + k``'s own training step; ``None`` entries are skipped.
+
+    Call it from ``training_step`` with the whole window.
+    """
+    trainer = module.trainer
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_batches_that_stepped") or not hasattr(trainer, "_results"):
+        raise NASPipeConfigError(
+            "This Lightning version lays out its training loop differently from what NASPipe knows (no "
+            "fit_loop.epoch_loop._batches_that_stepped or trainer._results); install a supported version "
+            "(see pyproject.toml)."
+        )
+    key = None
+    every = trainer.log_every_n_steps
+    logged = [(k, loss) for k, loss in enumerate(losses) if loss is not None]
+    for position, (k, loss) in enumerate(logged):
+        index = first_index + k
+        if key is None:
+            module.log(TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_sizes[k])
+            key = _result_key(trainer._results, TRAIN_LOSS)
+        else:  # what self.log does for a metric already registered, without its per-call overhead
+            trainer._results.update_metrics(key, loss, batch_sizes[k])
+        # Lightning writes the window's last value itself (below); the others go to the loggers here.
+        if position < len(logged) - 1 and every and (index + 1) % every == 0 and trainer.loggers:
+            point = {f"{TRAIN_LOSS}_step": loss.detach(), "epoch": trainer.current_epoch}
+            trainer._logger_connector.log_metrics(point, step=index)
+    if logged:
+        # Lightning adds one after the batch: the loggers' step axis counts subnets, as in the plain run.
+        epoch_loop._batches_that_stepped = first_index + logged[-1][0]
+
+
+def _result_key(results: Any, name: str) -> str:
+    """The result collection's key for metric ``name`` just logged (``"<hook>.<name>"``)."""
+    for key, metric in results.items():
+        if metric.meta.name == name and key.startswith("training_step."):
+            return str(key)
+    raise NASPipeConfigError(f"Lightning did not record self.log({name!r}, ...) where NASPipe expects it; "
+                             "install a supported Lightning version (see pyproject.toml).")

@@ -1,0 +1,42 @@
+"""The loggers get one training loss per subnet, at its step, exactly as from the plain Trainer."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from pytorch_lightning.loggers import CSVLogger
+
+import lightning_naspipe as lnp
+from helpers import toy_loader, train
+
+LOGGED = ("train_loss_step", "train_loss_epoch", "val_loss")
+
+
+def logged_rows(log_dir: Path) -> list[tuple[str, str, str, str]]:
+    """``(step, epoch, metric, value)`` for every logged training and validation loss, in file order."""
+    with open(log_dir / "metrics.csv") as f:
+        return [(r["step"], r["epoch"], key, r[key]) for r in csv.DictReader(f) for key in LOGGED if r.get(key)]
+
+
+def run_logged(tmp_path: Path, name: str, strategy: object, every: int) -> list[tuple[str, str, str, str]]:
+    train(strategy, max_epochs=2, logger=CSVLogger(tmp_path / name, name="", version=""), log_every_n_steps=every,
+          loader=toy_loader(), val_loader=toy_loader(samples=40, shuffle=False))
+    return logged_rows(tmp_path / name)
+
+
+@pytest.mark.parametrize(("window", "every"), [(5, 1), (5, 3), (4, 50)])
+def test_pipelined_run_logs_the_plain_series(tmp_path: Path, window: int, every: int) -> None:
+    plain = run_logged(tmp_path, "plain", None, every)
+    piped = run_logged(tmp_path, "piped", lnp.NASPipeStrategy(window=window), every)
+    steps = [int(step) for step, _, key, _ in plain if key == "train_loss_step"]
+    assert steps == [s for s in range(24) if (s + 1) % every == 0]  # 12 subnets per epoch, 2 epochs
+    assert any(key == "train_loss_epoch" for _, _, key, _ in plain)
+    assert piped == plain
+
+
+def test_comparison_sees_a_shifted_step(tmp_path: Path) -> None:
+    plain = run_logged(tmp_path, "plain", None, 1)
+    shifted = [(str(int(step) + 1), epoch, key, value) for step, epoch, key, value in plain]
+    assert shifted != plain and len(set(shifted)) == len(set(plain))
