@@ -1,6 +1,8 @@
-"""NASPipe for PyTorch Lightning: pipeline-parallel supernet training, bitwise reproducible."""
+"""NASPipe for PyTorch Lightning: pipeline-parallel supernet training, bitwise reproducible.
 
-from pytorch_lightning.strategies import StrategyRegistry
+Importing the package registers ``strategy="naspipe"`` with every installed Lightning namespace
+(``lightning.pytorch`` and ``pytorch_lightning``).
+"""
 
 from lightning_naspipe.callback import NASPipeCallback
 from lightning_naspipe.cells import Cell, Zero
@@ -13,6 +15,3 @@ from lightning_naspipe.supernet import ChoiceBlock, Supernet
 __all__ = ["Cell", "ChoiceBlock", "InputChoice", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin",
            "NASPipeStrategy", "Supernet", "When", "Zero"]
 __version__ = "0.1.0"
-
-# Strategy names resolve before any plugin loads, so importing the package registers "naspipe".
-NASPipeStrategy.register_strategies(StrategyRegistry)

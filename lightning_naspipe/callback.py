@@ -1,34 +1,29 @@
 """The callback that keeps a NASPipe run exact around Lightning's loop.
 
-It checks the run's configuration, steps epoch-interval LR schedulers (Lightning does not under
-manual optimization), and stores NASPipe's resume state in the checkpoint. The mixin attaches it
-through ``configure_callbacks`` and the strategy adds it if missing, so users need not.
+:func:`validate_run` checks the run's configuration (the mixin calls it from ``configure_callbacks``,
+before Lightning's own, less fitting, advice); the callback checks the optimizer, steps
+epoch-interval LR schedulers (Lightning does not under manual optimization), and stores NASPipe's
+resume state in the checkpoint. The mixin attaches it through ``configure_callbacks``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
-
 from lightning_naspipe.data import reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.mixin import NASPipeMixin, supernet_of
+from lightning_naspipe.namespaces import installed
 from lightning_naspipe.optim import step_schedulers
+from lightning_naspipe.supernet import supernet_of
 
 CHECKPOINT_KEY = "naspipe"
 
 
-def validate_run(trainer: pl.Trainer, module: object) -> None:
+def validate_run(trainer: Any, module: object) -> None:
     """Raise :class:`NASPipeConfigError` for settings NASPipe cannot honour exactly.
 
     Runs before Lightning's own manual-optimization checks, so users get advice that fits NASPipe.
     """
-    if not isinstance(module, NASPipeMixin):
-        raise NASPipeConfigError(
-            f"{type(module).__name__} does not use the NASPipe mixin: declare it as "
-            f"class {type(module).__name__}(lightning_naspipe.NASPipeMixin, pytorch_lightning.LightningModule)."
-        )
     supernet_of(module)  # raises if self.supernet is missing
     if getattr(module, "automatic_optimization", False):
         raise NASPipeConfigError(
@@ -50,11 +45,19 @@ def validate_run(trainer: pl.Trainer, module: object) -> None:
         )
 
 
-class NASPipeCallback(pl.Callback):
-    """Keeps LR schedules and resume state exact for NASPipe modules, with or without the strategy."""
+# Lightning's Callback holds no state and only no-op hooks, and Trainers check callbacks by type: one
+# class built on both namespaces' Callback serves a Trainer of either.
+_CALLBACK_BASES = tuple(ns.pytorch.Callback for ns in installed())
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        validate_run(trainer, pl_module)
+
+class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
+    """Keeps LR schedules and resume state exact for NASPipe modules, with or without the strategy.
+
+    ``NASPipeMixin.configure_callbacks`` adds it; a module that overrides ``configure_callbacks``
+    must return ``super().configure_callbacks()`` among its callbacks.
+    """
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
             raise NASPipeConfigError(
@@ -73,11 +76,11 @@ class NASPipeCallback(pl.Callback):
                 "supernet blocks. Move those modules into a Supernet block (a fixed block is fine)."
             )
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         step_schedulers(trainer.lr_scheduler_configs, "epoch", trainer.current_epoch + 1, trainer.callback_metrics)
 
     def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+        self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]
     ) -> None:
         state: dict[str, Any] = {"seed": getattr(pl_module, "naspipe_seed", 0)}
         tracker = getattr(trainer.strategy, "data_tracker", None)
@@ -88,7 +91,7 @@ class NASPipeCallback(pl.Callback):
         checkpoint[CHECKPOINT_KEY] = state
 
     def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+        self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]
     ) -> None:
         state = checkpoint.get(CHECKPOINT_KEY)
         if not state:

@@ -1,23 +1,38 @@
-"""The mixin users add to their LightningModule: ``class Net(lnp.NASPipeMixin, pl.LightningModule)``."""
+"""The mixin users add to their LightningModule: ``class Net(lnp.NASPipeMixin, L.LightningModule)``.
+
+It works with the LightningModule of either namespace (``lightning.pytorch`` or ``pytorch_lightning``).
+"""
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-import pytorch_lightning as pl
 from torch import Tensor
 
+from lightning_naspipe.callback import NASPipeCallback, validate_run
 from lightning_naspipe.engine import Engine
-
-if TYPE_CHECKING:
-    from lightning_naspipe.engine import EngineModule
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.executor import Window
 from lightning_naspipe.loss_log import log_window_losses
+from lightning_naspipe.namespaces import installed, namespace_of
 from lightning_naspipe.sampling import EVAL_DOMAIN, mix, uniform_architecture
-from lightning_naspipe.supernet import Architecture, Supernet
+from lightning_naspipe.supernet import Architecture, Supernet, supernet_of
+
+if TYPE_CHECKING:
+    from lightning_naspipe.engine import EngineModule
+
+
+@runtime_checkable
+class PipelineRunner(Protocol):
+    """What the mixin needs from ``NASPipeStrategy`` (which imports the mixin, not the other way)."""
+
+    engine: Engine | None
+
+    def report_stages(self) -> None: ...
+
+    def stage_metrics(self) -> dict[str, float]: ...
 
 
 # The losses NASPipe logs are broadcast from the last stage, identical on every rank: syncing
@@ -86,11 +101,9 @@ class NASPipeMixin:
         Under ``strategy="naspipe"`` with several stages the batch flows through the pipeline and
         the output is returned on every stage, so validation code runs unchanged on every rank.
         """
-        module: pl.LightningModule = self  # type: ignore[assignment]
-        from lightning_naspipe.strategy import NASPipeStrategy
-
+        module: Any = self
         strategy = module.trainer.strategy if module._trainer is not None else None
-        engine = strategy.engine if isinstance(strategy, NASPipeStrategy) and strategy.engine else None
+        engine = strategy.engine if isinstance(strategy, PipelineRunner) and strategy.engine else None
         return (engine or self._sequential_engine()).evaluate(cast("EngineModule", self), batch, architecture)
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
@@ -102,12 +115,10 @@ class NASPipeMixin:
         return self._evaluation_step("test_loss", batch, batch_idx, dataloader_idx)
 
     def _evaluation_step(self, name: str, batch: Any, batch_idx: int, dataloader_idx: int) -> Tensor:
-        from pytorch_lightning.utilities.data import extract_batch_size
-
         output = self.subnet_output(batch, self.eval_architecture(batch_idx, dataloader_idx))
         loss = self.compute_loss(output, batch)
-        module: pl.LightningModule = self  # type: ignore[assignment]
-        module.log(name, loss, prog_bar=True, batch_size=extract_batch_size(batch))
+        module: Any = self
+        module.log(name, loss, prog_bar=True, batch_size=self._batch_size(batch))
         return loss
 
     # -- the training step shared by both paths ---------------------------------------------
@@ -138,44 +149,55 @@ class NASPipeMixin:
 
     def configure_callbacks(self) -> Any:
         """Adds :class:`NASPipeCallback`; call ``super().configure_callbacks()`` when overriding."""
-        from lightning_naspipe.callback import NASPipeCallback, validate_run
-
-        module: pl.LightningModule = self  # type: ignore[assignment]
+        module: Any = self
         if module._trainer is not None:
             validate_run(module.trainer, self)  # before Lightning's own, less fitting, advice
         return [NASPipeCallback()]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         """Train one subnet (plain Trainer) or one window of subnets (``strategy="naspipe"``)."""
-        module: pl.LightningModule = self  # type: ignore[assignment]
+        module: Any = self
         trainer = module.trainer
-        from lightning_naspipe.strategy import NASPipeStrategy
-
-        if isinstance(trainer.strategy, NASPipeStrategy):
-            assert trainer.strategy.engine is not None, "set up by NASPipeStrategy.setup"
-            engine, batches = trainer.strategy.engine, list(batch)
+        self._check_callback(trainer)
+        pipeline = trainer.strategy if isinstance(trainer.strategy, PipelineRunner) else None
+        if pipeline is not None:
+            assert pipeline.engine is not None, "set up by NASPipeStrategy.setup"
+            engine, batches = pipeline.engine, list(batch)
         else:
             engine, batches = self._sequential_engine(), [batch]
         first = trainer.global_step
         if trainer.max_steps >= 0:
             batches = batches[: max(0, trainer.max_steps - first)]
         window = engine.train_window(cast("EngineModule", self), batches, first)
-        if isinstance(trainer.strategy, NASPipeStrategy):
-            trainer.strategy.report_stages()
-            for name, value in trainer.strategy.stage_metrics().items():
+        if pipeline is not None:
+            pipeline.report_stages()
+            for name, value in pipeline.stage_metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)
         return self._report(window, batches)
 
     def _report(self, window: Window, batches: list[Any]) -> Tensor | None:
-        from pytorch_lightning.utilities.data import extract_batch_size
-
-        log_window_losses(self, window.first_index, window.losses, [extract_batch_size(b) for b in batches])
+        log_window_losses(self, window.first_index, window.losses, [self._batch_size(b) for b in batches])
         reported = []
         for k, loss in enumerate(window.losses):
             if loss is not None:
                 reported.append(loss)
                 self.on_train_subnet_end(window.first_index + k, window.architectures[k], loss)
         return reported[-1] if reported else None
+
+    def _batch_size(self, batch: Any) -> int:
+        """Lightning's inference of ``batch``'s size, from this module's own namespace."""
+        namespace = namespace_of(self) or installed()[0]
+        return int(namespace.pytorch_module("utilities.data").extract_batch_size(batch))
+
+    def _check_callback(self, trainer: Any) -> None:
+        if self.__dict__.get("_naspipe_checked_trainer") == id(trainer):
+            return
+        if not any(isinstance(c, NASPipeCallback) for c in trainer.callbacks):
+            raise NASPipeConfigError(
+                f"{type(self).__name__}.configure_callbacks() does not return NASPipe's callback, which keeps LR "
+                "schedules and resume exact: return super().configure_callbacks() plus your own callbacks."
+            )
+        self.__dict__["_naspipe_checked_trainer"] = id(trainer)
 
     def _sequential_engine(self) -> Engine:
         engine = self.__dict__.get("_naspipe_engine")
@@ -186,14 +208,3 @@ class NASPipeMixin:
 
     def _supernet(self) -> Supernet:
         return supernet_of(self)
-
-
-def supernet_of(module: object) -> Supernet:
-    """``module.supernet``, or a clear error if the user did not set one."""
-    supernet = getattr(module, "supernet", None)
-    if not isinstance(supernet, Supernet):
-        raise NASPipeConfigError(
-            f"{type(module).__name__} has no supernet: set self.supernet = lightning_naspipe.Supernet(...) in "
-            "__init__."
-        )
-    return supernet

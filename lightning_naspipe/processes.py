@@ -9,35 +9,35 @@ from __future__ import annotations
 
 import atexit
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning_fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from pytorch_lightning.strategies import ParallelStrategy
-from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from pytorch_lightning.strategies.strategy import TBroadcast
-from pytorch_lightning.utilities import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.namespaces import Namespace
+
+TBroadcast = TypeVar("TBroadcast")
+
+if TYPE_CHECKING:  # checked against one namespace's API; at run time a mixin for either (strategy.py)
+    from pytorch_lightning.strategies import ParallelStrategy as _StrategyBase
+else:
+    _StrategyBase = object
 
 
-class StageProcesses(ParallelStrategy):
-    """A parallel strategy with one process per stage; every process sees the whole data.
+class StageProcesses(_StrategyBase):
+    """The process half of a parallel strategy with one process per stage; every process sees the whole data.
 
-    Subclasses set ``num_stages``, ``timeout``, ``_process_group_backend``, ``_start_method`` and
-    ``_num_nodes`` in their ``__init__``.
+    A mixin for a namespace's ``ParallelStrategy`` (see :mod:`.namespaces`): the launchers and the
+    fabric's process-group helpers come from ``_namespace``, so one namespace is never mixed with
+    the other's. Subclasses set ``num_stages``, ``timeout``, ``_process_group_backend``,
+    ``_start_method`` and ``_num_nodes`` in their ``__init__``.
     """
 
+    _namespace: Namespace | None
     num_stages: int | None
     timeout: timedelta
     _process_group_backend: str | None
@@ -73,23 +73,30 @@ class StageProcesses(ParallelStrategy):
         """This process's pipeline stage (its global rank)."""
         return self.global_rank
 
+    def _distributed(self) -> Any:
+        assert self._namespace is not None, "bound by the Trainer"
+        return self._namespace.fabric_module("utilities.distributed")
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        assert self._namespace is not None, "bound by the Trainer"
+        launchers = self._namespace.pytorch_module("strategies.launchers")
         if self.num_processes * self.num_nodes == 1 and not self.cluster_environment.creates_processes_externally:
             # Nothing to launch. Lightning's launchers would also change the intra-op thread count
             # (OMP_NUM_THREADS), and with it the float results of CPU kernels.
             self._launcher = None
         elif self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = launchers._MultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        # One rank_zero_only (lightning_utilities') serves both namespaces' rank_zero_* helpers.
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def setup_environment(self) -> None:
@@ -99,33 +106,35 @@ class StageProcesses(ParallelStrategy):
                 f"NASPipeStrategy(num_stages={stages}) needs one process per stage, but the Trainer starts "
                 f"{self.world_size}; set devices x num_nodes = {stages}, or leave num_stages unset."
             )
-        super().setup_environment()
+        super().setup_environment()  # the namespace's ParallelStrategy
         if self.world_size > 1:
+            distributed = self._distributed()
             self.set_world_ranks()
-            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            backend = self._process_group_backend or distributed._get_default_process_group_backend_for_device(
+                self.root_device)
             self._process_group_backend = backend
             assert self.cluster_environment is not None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
+            distributed._init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
             if backend != "nccl":  # Lightning registers this for NCCL only; an undestroyed gloo group
-                atexit.unregister(_destroy_dist_connection)  # sometimes aborts the process at exit
-                atexit.register(_destroy_dist_connection)  # (once, however many fits)
+                atexit.unregister(distributed._destroy_dist_connection)  # sometimes aborts the process at exit
+                atexit.register(distributed._destroy_dist_connection)  # (once, however many fits)
 
     # -- collectives ----------------------------------------------------------------------------
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return self._distributed()._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
             return obj
         holder = [obj]
         dist.broadcast_object_list(holder, src)

@@ -9,32 +9,31 @@ group is gloo on CPU and NCCL on CUDA.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.trainer.states import RunningStage
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.callback import NASPipeCallback, validate_run
+from lightning_naspipe.callback import NASPipeCallback
 from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.mixin import supernet_of
+from lightning_naspipe.mixin import NASPipeMixin
+from lightning_naspipe.namespaces import Namespace, installed, namespace_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import block_weights, stage_ranges, tied_cuts
 from lightning_naspipe.placement import move_blocks, place_module, rebalanced
 from lightning_naspipe.processes import StageProcesses
 from lightning_naspipe.stage_table import chunks_hint, stage_table
 from lightning_naspipe.schedule import SCHEDULES
+from lightning_naspipe.supernet import supernet_of
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport import P2PTransport
 
@@ -47,6 +46,10 @@ class NASPipeStrategy(StageProcesses):
     window of ``window`` subnets, each trained on its own batch of the user's dataloader, so
     ``global_step`` and ``max_steps`` count subnets while the progress bar and
     ``limit_train_batches`` count windows. Every stage sees the same batches.
+
+    Both ``lightning.pytorch`` and ``pytorch_lightning`` Trainers accept it. A new instance serves
+    either: the Trainer that takes it binds it to its namespace (its class becomes
+    ``LightningNASPipeStrategy`` or ``PytorchLightningNASPipeStrategy``), so use one instance per Trainer.
 
     Args:
         window: subnets per Lightning batch; the scheduler overlaps any of them whose parameters
@@ -95,6 +98,8 @@ class NASPipeStrategy(StageProcesses):
     """
 
     strategy_name = "naspipe"
+    # None until a Trainer (or a plugin passed in) tells which Lightning namespace this instance serves.
+    _namespace: ClassVar[Namespace | None] = None  # type: ignore[misc]
 
     def __init__(
         self,
@@ -111,23 +116,26 @@ class NASPipeStrategy(StageProcesses):
         timeout: timedelta = timedelta(minutes=3),
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        accelerator: pl.accelerators.Accelerator | None = None,
+        accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
     ) -> None:
         _check_positive("window", window, "the number of subnets per Lightning batch, e.g. window=8")
         _check_positive("chunks", chunks, "the number of micro-batches per subnet, e.g. chunks=1")
         if num_stages is not None:
             _check_positive("num_stages", num_stages, "the number of pipeline stages, or None for one per process")
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        self._plugins = {"accelerator": accelerator, "parallel_devices": parallel_devices,
+                         "cluster_environment": cluster_environment, "checkpoint_io": checkpoint_io,
+                         "precision_plugin": precision_plugin}
+        if self._namespace is not None:
+            super().__init__(**self._plugins)  # the namespace's ParallelStrategy
+        else:  # unbound: what the Trainer's connector reads before it sets the accelerator
+            self._accelerator, self._precision_plugin, self._checkpoint_io = accelerator, precision_plugin, checkpoint_io
+            self.cluster_environment, self.parallel_devices = cluster_environment, parallel_devices
+            for plugin in self._plugins.values():
+                self._bind(namespace_of(plugin))
         self.window = window
         self.chunks = chunks
         self.num_stages = num_stages
@@ -158,30 +166,52 @@ class NASPipeStrategy(StageProcesses):
         self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
 
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        if model._trainer is not None:
-            validate_run(model._trainer, model)  # before Lightning's own, less fitting, advice
-        super().connect(model)
+    # -- binding to a namespace -------------------------------------------------------------
+
+    @property
+    def accelerator(self) -> Any:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        # The Trainer sets the accelerator first: that is when an unbound strategy learns its namespace.
+        self._bind(namespace_of(accelerator))
+        self._accelerator = accelerator
+
+    def _bind(self, namespace: Namespace | None) -> None:
+        """Become the ``namespace``'s NASPipe strategy (see :mod:`.namespaces`), or check that it already is."""
+        if namespace is None or namespace is self._namespace:
+            return
+        if self._namespace is not None:
+            raise NASPipeConfigError(
+                f"This NASPipeStrategy belongs to {self._namespace.name} (a {self._namespace.name} Trainer or plugin "
+                f"took it), so a {namespace.name} Trainer cannot use it. Create a new NASPipeStrategy(...) for each "
+                "Trainer, and do not mix lightning.pytorch and pytorch_lightning objects in one Trainer."
+            )
+        self.__class__ = _BOUND[namespace.name]
+        namespace.parallel_strategy.__init__(self, **self._plugins)
 
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        # Runs after the module's configure_callbacks and before checkpoint restore, so a module
-        # that overrides configure_callbacks still gets the callback and its resume state.
-        trainer = self._trainer()
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set dynamically by Lightning
-        if not any(isinstance(c, NASPipeCallback) for c in callbacks):
-            callbacks.append(NASPipeCallback())
+    def connect(self, model: Any) -> None:
+        if not isinstance(model, NASPipeMixin):
+            raise NASPipeConfigError(
+                f"{type(model).__name__} does not use the NASPipe mixin: declare it as "
+                f"class {type(model).__name__}(lightning_naspipe.NASPipeMixin, LightningModule)."
+            )
+        super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
 
-    def _trainer(self) -> pl.Trainer:
+    def _trainer(self) -> Any:
         assert self.lightning_module is not None, "the strategy is connected to a module"
         return self.lightning_module.trainer
+
+    def _info(self, message: str) -> None:
+        assert self._namespace is not None
+        self._namespace.pytorch.utilities.rank_zero_info(message)
 
     # -- placement ----------------------------------------------------------------------------
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: Any) -> None:
         supernet = supernet_of(self.lightning_module)
         example = getattr(self.lightning_module, "supernet_example_input", None)
         weights = None
@@ -267,7 +297,7 @@ class NASPipeStrategy(StageProcesses):
         supernet.local_blocks = self.engine.blocks
         if self.offload:
             self._build_offloader()
-        rank_zero_info(f"NASPipe: blocks per stage {[len(r) for r in ranges]} (was {before}), {why}.")
+        self._info(f"NASPipe: blocks per stage {[len(r) for r in ranges]} (was {before}), {why}.")
 
     @override
     def model_to_device(self) -> None:
@@ -335,7 +365,7 @@ class NASPipeStrategy(StageProcesses):
             costs, unit = self._split_costs
             table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends)
             hint = chunks_hint(supernet_of(self.lightning_module), self.stage_ranges, self.chunks)
-            rank_zero_info(f"NASPipe stages:\n{table}" + (f"\n{hint}" if hint else ""))
+            self._info(f"NASPipe stages:\n{table}" + (f"\n{hint}" if hint else ""))
 
     def _write_trace(self) -> None:
         assert self.engine is not None and self.engine.telemetry is not None and self.trace_dir is not None
@@ -349,7 +379,7 @@ class NASPipeStrategy(StageProcesses):
     def process_dataloader(self, dataloader: object) -> object:
         refuse_distributed_sampler(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if trainer is None or not trainer.training:
             return dataloader
         return WindowLoader(dataloader, self.window, self.data_tracker)  # type: ignore[arg-type]
 
@@ -364,3 +394,24 @@ class NASPipeStrategy(StageProcesses):
 def _check_positive(name: str, value: object, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise NASPipeConfigError(f"NASPipeStrategy({name}={value!r}) is invalid: {name} is {meaning} (an int >= 1).")
+
+
+# One bound class per installed namespace, e.g. ``PytorchLightningNASPipeStrategy``: the body above on
+# that namespace's ParallelStrategy. An instance of the unbound class becomes one of these when a
+# Trainer takes it; ``strategy="naspipe"`` builds one directly. Module-level names, so they pickle.
+_BOUND: dict[str, type[NASPipeStrategy]] = {}
+
+
+def _bound_class(namespace: Namespace) -> type[NASPipeStrategy]:
+    name = {"lightning.pytorch": "LightningNASPipeStrategy"}.get(namespace.name, "PytorchLightningNASPipeStrategy")
+    body = {"_namespace": namespace, "__module__": __name__, "__doc__": f"NASPipeStrategy bound to {namespace.name}."}
+    bound: type[NASPipeStrategy] = types.new_class(name, (NASPipeStrategy, namespace.parallel_strategy),
+                                                   exec_body=lambda ns: ns.update(body))
+    globals()[name] = bound
+    return bound
+
+
+for _namespace in installed():
+    _BOUND[_namespace.name] = _bound_class(_namespace)
+    _namespace.parallel_strategy.register(NASPipeStrategy)  # Trainers of either namespace accept an unbound instance
+    _BOUND[_namespace.name].register_strategies(_namespace.pytorch.strategies.StrategyRegistry)

@@ -221,3 +221,14 @@ class Supernet(nn.Module):
         for i in range(len(self.blocks)):
             x = self.run_block(i, x, architecture)
         return x
+
+
+def supernet_of(module: object) -> Supernet:
+    """``module.supernet``, or a clear error if the user did not set one."""
+    supernet = getattr(module, "supernet", None)
+    if not isinstance(supernet, Supernet):
+        raise NASPipeConfigError(
+            f"{type(module).__name__} has no supernet: set self.supernet = lightning_naspipe.Supernet(...) in "
+            "__init__."
+        )
+    return supernet
