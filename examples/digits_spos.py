@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import pytorch_lightning as pl
+import lightning.pytorch as pl
 import torch
-from pytorch_lightning.cli import ArgsType, LightningCLI
-from pytorch_lightning.utilities import rank_zero_info
+from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset

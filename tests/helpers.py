@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
+import lightning.pytorch
+import pytorch_lightning
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -15,8 +17,13 @@ import lightning_naspipe as lnp
 FEATURES = 6
 CLASSES = 3
 
+#: The Lightning namespace the tests use by default; the subprocess runners (pipeline_run.py) take
+#: it from the environment so one test can run them under either.
+NAMESPACES = {"lightning.pytorch": lightning.pytorch, "pytorch_lightning": pytorch_lightning}
+pl: Any = NAMESPACES[os.environ.get("LNP_TEST_NAMESPACE", "pytorch_lightning")]
 
-class ToyNet(lnp.NASPipeMixin, pl.LightningModule):
+
+class ToyBody(lnp.NASPipeMixin):
     """Adam, a step LR schedule, dropout, BatchNorm, an Identity candidate, a shared label,
     trainable stem and head."""
 
@@ -47,6 +54,18 @@ class ToyNet(lnp.NASPipeMixin, pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class LightningToyNet(ToyBody, lightning.pytorch.LightningModule):
+    """ToyNet on ``lightning.pytorch``."""
+
+
+class PLToyNet(ToyBody, pytorch_lightning.LightningModule):
+    """ToyNet on ``pytorch_lightning``."""
+
+
+TOY_NETS: dict[Any, type] = {lightning.pytorch: LightningToyNet, pytorch_lightning: PLToyNet}
+ToyNet: Any = TOY_NETS[pl]
+
+
 def toy_loader(samples: int = 96, batch_size: int = 8, shuffle: bool = True) -> DataLoader:
     generator = torch.Generator().manual_seed(123)
     x = torch.randn(samples, FEATURES, generator=generator)
@@ -63,7 +82,7 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
-def full_state(model: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Any]:
+def full_state(model: Any, trainer: Any) -> dict[str, Any]:
     """Every parameter, buffer and optimizer-state tensor, plus per-subnet losses."""
     optimizer_state = trainer.optimizers[0].state_dict()
     return {
@@ -100,15 +119,17 @@ def _assert_equal_nested(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def train(strategy: Any = None, seed: int = 7, model_cls: type = ToyNet, loader: DataLoader | None = None,
-          val_loader: DataLoader | None = None, **trainer_overrides: Any) -> tuple[pl.LightningModule, pl.Trainer]:
+def train(strategy: Any = None, seed: int = 7, model_cls: type | None = None, loader: DataLoader | None = None,
+          val_loader: DataLoader | None = None, namespace: Any = None, **trainer_overrides: Any) -> tuple[Any, Any]:
+    """Fit ``model_cls`` (default: the namespace's ToyNet) with a Trainer of ``namespace`` (default ``pl``)."""
     torch.set_num_threads(1)
-    pl.seed_everything(seed, verbose=False)
-    model = model_cls()
+    namespace = namespace or pl
+    namespace.seed_everything(seed, verbose=False)
+    model = (model_cls or TOY_NETS[namespace])()
     kwargs = trainer_kwargs(**trainer_overrides)
     if strategy is not None:
         kwargs["strategy"] = strategy
-    trainer = pl.Trainer(**kwargs)
+    trainer = namespace.Trainer(**kwargs)
     trainer.fit(model, loader if loader is not None else toy_loader(), val_loader)
     return model, trainer
 

@@ -16,12 +16,11 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import pytorch_lightning as pl  # noqa: E402
-from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
-from pytorch_lightning.loggers import CSVLogger  # noqa: E402
-
 import lightning_naspipe as lnp  # noqa: E402
-from helpers import FEATURES, ToyNet, toy_loader, trainer_kwargs  # noqa: E402
+from helpers import FEATURES, ToyNet, pl, toy_loader, trainer_kwargs  # noqa: E402  # pl: $LNP_TEST_NAMESPACE
+
+EarlyStopping, ModelCheckpoint = pl.callbacks.EarlyStopping, pl.callbacks.ModelCheckpoint
+CSVLogger = pl.loggers.CSVLogger
 
 
 class Killer(pl.Callback):
@@ -30,7 +29,7 @@ class Killer(pl.Callback):
     def __init__(self, stage: int, step: int) -> None:
         self.stage, self.step = stage, step
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+    def on_train_batch_start(self, trainer: object, *args: object) -> None:
         if trainer.global_rank == self.stage and trainer.global_step >= self.step:
             os.kill(os.getpid(), 9)
 

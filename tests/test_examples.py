@@ -9,9 +9,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
+import lightning.pytorch as pl
 import torch
-from pytorch_lightning.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger
 
 import lightning_naspipe as lnp
 from helpers import EXAMPLES, QUIET, load_example

@@ -123,6 +123,17 @@ def test_stop_on_two_stages_resume_on_three_and_one(tmp_path: Path, plain: dict)
         assert_same_state(plain, _state(resumed))
 
 
+def test_lightning_namespace_equals_plain_and_checkpoints_cross_namespaces(tmp_path: Path, plain: dict) -> None:
+    # `plain` ran under pytorch_lightning; here the stage processes run lightning.pytorch.
+    assert_same_state(plain, _state(_launch(tmp_path, "--devices", "2", name="lightning",
+                                            LNP_TEST_NAMESPACE="lightning.pytorch")))
+    stop = _launch(tmp_path, "--devices", "2", "--window", "4", "--max-steps", "10", name="stop",
+                   LNP_TEST_NAMESPACE="lightning.pytorch")
+    resumed = _launch(tmp_path, "--devices", "2", "--resume", str(stop), name="resumed",
+                      LNP_TEST_NAMESPACE="pytorch_lightning")
+    assert_same_state(plain, _state(resumed))
+
+
 def test_logging_and_validation_match_plain_run(tmp_path: Path) -> None:
     _launch(tmp_path, "--devices", "2", "--log-dir", str(tmp_path / "piped"))
     # The plain reference logs the same way, in-process.
