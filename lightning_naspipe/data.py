@@ -14,6 +14,7 @@ trained batches, and then restores the RNG to its state at checkpoint time.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -38,11 +39,12 @@ class DataTracker:
         self._windows = 0
         self._exhausted = False
         self._resume: dict[str, Any] | None = None
+        self.epoch_length: int | float = math.inf  # batches in this epoch, if the dataloader is sized
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this epoch exactly."""
         trainer = self._trainer()
-        position = trainer.global_step - self._epoch_start_step
+        position = self.position()
         done = self._exhausted or self._windows >= trainer.num_training_batches
         return {
             "epoch": self._epoch,
@@ -52,13 +54,18 @@ class DataTracker:
             "finished": done and position >= self._yielded,
         }
 
+    def position(self) -> int:
+        """Subnets trained in this epoch so far (a resumed run's included)."""
+        return int(self._trainer().global_step - self._epoch_start_step)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Arrange for the next epoch start to continue from ``state``."""
         self._resume = dict(state)
 
-    def start_epoch(self) -> int:
-        """Called as an epoch's iterator starts; returns how many batches to skip."""
+    def start_epoch(self, length: int | float = math.inf) -> int:
+        """Called as an epoch's iterator starts, with the dataloader's length; returns how many batches to skip."""
         trainer = self._trainer()
+        self.epoch_length = length
         resume, self._resume = self._resume, None
         self._yielded, self._windows, self._exhausted = 0, 0, False
         self._epoch = trainer.current_epoch
@@ -128,7 +135,7 @@ class WindowLoader:
 
     # No ``__len__`` on purpose: Lightning then ends an epoch when the data runs out rather than
     # after a count of windows, which a resumed run (partial first window, another window size)
-    # would get wrong. The cost: the progress bar shows no total.
+    # would get wrong. The progress bar takes its total from the tracker (progress.py).
 
     def __getattr__(self, name: str) -> Any:
         # Lightning and users read attributes such as ``sampler`` or ``batch_size``.
@@ -137,7 +144,7 @@ class WindowLoader:
         return getattr(self.dataloader, name)
 
     def __iter__(self) -> Iterator[list[Any]]:
-        skip = self.tracker.start_epoch()
+        skip = self.tracker.start_epoch(_length(self.dataloader))
         iterator = iter(self.dataloader)
         skipped = sum(1 for _ in itertools.islice(iterator, skip))
         if skipped < skip:
@@ -156,6 +163,13 @@ class WindowLoader:
             yield batches
             if exhausted:
                 return
+
+
+def _length(dataloader: Iterable[Any]) -> int | float:
+    try:
+        return len(dataloader)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or an IterableDataset without one
+        return math.inf
 
 
 def refuse_distributed_sampler(dataloader: object) -> None:

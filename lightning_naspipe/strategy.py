@@ -31,6 +31,7 @@ from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import block_weights, stage_ranges, tied_cuts
 from lightning_naspipe.placement import move_blocks, place_module, rebalanced
 from lightning_naspipe.processes import StageProcesses
+from lightning_naspipe.progress import count_subnets
 from lightning_naspipe.stage_table import chunks_hint, stage_table
 from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.supernet import supernet_of
@@ -44,8 +45,8 @@ class NASPipeStrategy(StageProcesses):
     Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
     The supernet's blocks are split into one contiguous stage per process. One Lightning batch is a
     window of ``window`` subnets, each trained on its own batch of the user's dataloader, so
-    ``global_step`` and ``max_steps`` count subnets while the progress bar and
-    ``limit_train_batches`` count windows. Every stage sees the same batches.
+    ``global_step``, ``max_steps`` and the progress bar count subnets while
+    ``limit_train_batches`` counts windows. Every stage sees the same batches.
 
     Both ``lightning.pytorch`` and ``pytorch_lightning`` Trainers accept it. A new instance serves
     either: the Trainer that takes it binds it to its namespace (its class becomes
@@ -184,9 +185,9 @@ class NASPipeStrategy(StageProcesses):
             return
         if self._namespace is not None:
             raise NASPipeConfigError(
-                f"This NASPipeStrategy belongs to {self._namespace.name} (a {self._namespace.name} Trainer or plugin "
-                f"took it), so a {namespace.name} Trainer cannot use it. Create a new NASPipeStrategy(...) for each "
-                "Trainer, and do not mix lightning.pytorch and pytorch_lightning objects in one Trainer."
+                f"This NASPipeStrategy belongs to {self._namespace.name} (a Trainer or plugin of it bound it), so it "
+                f"cannot serve {namespace.name}. Create a new NASPipeStrategy(...) for each Trainer, and do not mix "
+                "lightning.pytorch and pytorch_lightning objects in one Trainer."
             )
         self.__class__ = _BOUND[namespace.name]
         namespace.parallel_strategy.__init__(self, **self._plugins)
@@ -237,6 +238,7 @@ class NASPipeStrategy(StageProcesses):
             drop_foreign_state(self.optimizers[0], self._owned())
         if self.offload:
             self._build_offloader()
+        count_subnets(trainer.progress_bar_callback, self.data_tracker, self.window)
 
     def _build_offloader(self) -> None:
         assert self.engine is not None
