@@ -89,7 +89,8 @@ def stage_ranges(supernet: Supernet, stages: int, balance: Sequence[int] | None 
     if stages > count:
         raise NASPipeConfigError(
             f"{stages} pipeline stages but the supernet has only {count} blocks; every stage needs at least one "
-            f"block. Use at most {count} stages (devices x nodes, or num_stages) or split the supernet into more blocks."
+            f"block. Use at most {count} stages (devices x nodes, or num_stages) or split the supernet into more "
+            "blocks."
         )
     forbidden = tied_cuts(supernet)
     if balance is None:

@@ -87,7 +87,8 @@ class StageProcesses(_StrategyBase):
             # (OMP_NUM_THREADS), and with it the float results of CPU kernels.
             self._launcher = None
         elif self._start_method == "popen":
-            self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                                 self.num_nodes)
         else:
             self._launcher = launchers._MultiProcessingLauncher(self, start_method=self._start_method)
 

@@ -20,7 +20,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.callback import NASPipeCallback
 from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
@@ -133,7 +132,8 @@ class NASPipeStrategy(StageProcesses):
         if self._namespace is not None:
             super().__init__(**self._plugins)  # the namespace's ParallelStrategy
         else:  # unbound: what the Trainer's connector reads before it sets the accelerator
-            self._accelerator, self._precision_plugin, self._checkpoint_io = accelerator, precision_plugin, checkpoint_io
+            self._accelerator, self._precision_plugin = accelerator, precision_plugin
+            self._checkpoint_io = checkpoint_io
             self.cluster_environment, self.parallel_devices = cluster_environment, parallel_devices
             for plugin in self._plugins.values():
                 self._bind(namespace_of(plugin))

@@ -28,8 +28,12 @@ def _recording_bar(namespace: Any) -> Any:
     return Recording()
 
 
-@pytest.mark.parametrize("namespace", [pytest.param(L, id="lightning.pytorch"), pytest.param(pl, id="pytorch_lightning")])
-@pytest.mark.parametrize("limits", [dict(max_steps=16, max_epochs=-1), dict(max_epochs=2), dict(max_steps=17, max_epochs=-1)],
+BOTH = [pytest.param(L, id="lightning.pytorch"), pytest.param(pl, id="pytorch_lightning")]
+LIMITS = [dict(max_steps=16, max_epochs=-1), dict(max_epochs=2), dict(max_steps=17, max_epochs=-1)]
+
+
+@pytest.mark.parametrize("namespace", BOTH)
+@pytest.mark.parametrize("limits", LIMITS,
                          ids=["max_steps", "max_epochs", "max_steps-mid-window"])
 def test_bar_shows_the_plain_runs_counts(namespace: Any, limits: dict[str, int]) -> None:
     plain_bar, naspipe_bar = _recording_bar(namespace), _recording_bar(namespace)

@@ -55,7 +55,8 @@ def test_registration_is_idempotent() -> None:
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"window": 0}, "window"), ({"window": 2.5}, "window"), ({"chunks": 0}, "chunks"), ({"num_stages": 0}, "num_stages"),
+    ({"window": 0}, "window"), ({"window": 2.5}, "window"), ({"chunks": 0}, "chunks"),
+    ({"num_stages": 0}, "num_stages"),
 ])
 def test_bad_strategy_arguments(kwargs: dict, needle: str) -> None:
     with pytest.raises(lnp.NASPipeConfigError, match=needle):

@@ -33,7 +33,8 @@ def test_labels_default_per_block_and_can_be_shared() -> None:
 
 def test_shared_label_needs_equal_candidate_counts() -> None:
     with pytest.raises(lnp.NASPipeConfigError, match="different candidate counts"):
-        lnp.Supernet(lnp.ChoiceBlock([nn.Identity()], label="s"), lnp.ChoiceBlock([nn.Identity(), nn.ReLU()], label="s"))
+        lnp.Supernet(lnp.ChoiceBlock([nn.Identity()], label="s"),
+                     lnp.ChoiceBlock([nn.Identity(), nn.ReLU()], label="s"))
 
 
 def test_empty_supernet_is_refused() -> None:
