@@ -102,7 +102,11 @@ def reopen_epoch(checkpoint: dict[str, Any], epoch: int) -> None:
     resumed from such a checkpoint would start the next epoch, skipping the rest of this one.
     Rewritten to the state a checkpoint saved at ``on_train_batch_end`` has, the resumed run
     finishes the epoch exactly as an uninterrupted run would.
+
+    The layout is Lightning's private one: :func:`check_loop_state_layout` fails loudly, naming
+    the Lightning version, if a release changes it.
     """
+    check_loop_state_layout(checkpoint)
     fit_loop = checkpoint["loops"]["fit_loop"]
     for scope in ("total", "current"):
         counts = fit_loop["epoch_progress"][scope]
@@ -117,6 +121,35 @@ def reopen_epoch(checkpoint: dict[str, Any], epoch: int) -> None:
     fit_loop["epoch_loop.batch_progress"]["is_last_batch"] = False
     fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
     checkpoint["epoch"] = epoch
+
+
+#: Where reopen_epoch reads and writes in a checkpoint's fit-loop state, as Lightning 2.6 lays it out:
+#: (key, scope or None, fields).
+_PROGRESS = ("ready", "started", "processed", "completed")
+LOOP_STATE_LAYOUT: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
+    ("epoch_progress", "total", _PROGRESS), ("epoch_progress", "current", _PROGRESS),
+    ("epoch_loop.batch_progress", "total", _PROGRESS), ("epoch_loop.batch_progress", "current", _PROGRESS),
+    ("epoch_loop.batch_progress", None, ("is_last_batch",)),
+    ("epoch_loop.state_dict", None, ("_batches_that_stepped",)),
+)
+
+
+def check_loop_state_layout(checkpoint: dict[str, Any]) -> None:
+    """Raise :class:`NASPipeConfigError` unless the checkpoint's fit-loop state has the layout NASPipe rewrites."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    for key, scope, fields in LOOP_STATE_LAYOUT:
+        node = fit_loop.get(key)
+        if scope is not None and isinstance(node, dict):
+            node = node.get(scope)
+        missing = [field for field in fields if not isinstance(node, dict) or field not in node]
+        if missing:
+            where = f"fit_loop[{key!r}]" + (f"[{scope!r}]" if scope else "")
+            raise NASPipeConfigError(
+                f"Lightning {checkpoint.get('pytorch-lightning_version', '(unknown version)')} stores the fit loop's "
+                f"state differently from Lightning 2.6, which NASPipe is tested with: {where} lacks {missing}. "
+                "NASPipe rewrites that state for exact resume after max_steps; install lightning<2.7 (or "
+                "pytorch-lightning<2.7) until NASPipe supports this version."
+            )
 
 
 class WindowLoader:

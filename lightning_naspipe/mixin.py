@@ -6,7 +6,6 @@ It works with the LightningModule of either namespace (``lightning.pytorch`` or 
 from __future__ import annotations
 
 import os
-import warnings
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from torch import Tensor
@@ -33,11 +32,6 @@ class PipelineRunner(Protocol):
     def report_stages(self) -> None: ...
 
     def stage_metrics(self) -> dict[str, float]: ...
-
-
-# The losses NASPipe logs are broadcast from the last stage, identical on every rank: syncing
-# (averaging) them would add rounding, so Lightning's advice to sync does not apply to them.
-warnings.filterwarnings("ignore", message=r".*self\.log\('(train_loss|val_loss|test_loss)', \.\.\., sync_dist=True\)")
 
 
 class NASPipeMixin:

@@ -10,6 +10,7 @@ group is gloo on CPU and NCCL on CUDA.
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -36,6 +37,12 @@ from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.supernet import supernet_of
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport import P2PTransport
+
+
+# Lightning advises self.log(..., sync_dist=True) for epoch-level metrics of a distributed run. Every
+# NASPipe stage computes the same values (outputs reach every stage), so the advice does not apply, and
+# averaging them would only add rounding: ignored from the first multi-stage setup in a process on.
+_SYNC_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
 
 class NASPipeStrategy(StageProcesses):
@@ -239,6 +246,8 @@ class NASPipeStrategy(StageProcesses):
         if self.offload:
             self._build_offloader()
         count_subnets(trainer.progress_bar_callback, self.data_tracker, self.window)
+        if self.world_size > 1:
+            warnings.filterwarnings("ignore", message=_SYNC_ADVICE)  # the same filter once, however many fits
 
     def _build_offloader(self) -> None:
         assert self.engine is not None

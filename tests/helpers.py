@@ -48,6 +48,14 @@ class ToyBody(lnp.NASPipeMixin):
     def on_train_subnet_end(self, index: int, architecture: dict[str, int], loss: torch.Tensor) -> None:
         self.losses[index] = loss.clone()
 
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        loss = super().validation_step(batch, batch_idx, dataloader_idx)
+        # A user's own epoch-level metric, logged without sync_dist: on several stages Lightning
+        # advises sync_dist=True, which does not apply under NASPipe (every stage has the value).
+        output = self.subnet_output(batch, self.eval_architecture(batch_idx, dataloader_idx))
+        self.log("val_acc", (output.argmax(-1) == batch[1]).float().mean(), batch_size=len(batch[1]))
+        return loss
+
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
