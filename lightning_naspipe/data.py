@@ -4,11 +4,15 @@ One Lightning batch is a *window*: a list of ``window`` consecutive batches of t
 dataloader, one per subnet. The batch sequence is the user's own, so it is the one a plain
 one-device run sees.
 
-Exact resume: a shuffling ``DataLoader`` draws its permutation from torch's global RNG when it
-starts an epoch, and Lightning cannot replay that on resume. :class:`DataTracker` records the
-CPU RNG state at the start of each epoch and, in the checkpoint, how many batches of the epoch
-were trained. On resume it restores that RNG state, re-creates the same permutation, skips the
-trained batches, and then restores the RNG to its state at checkpoint time.
+Exact resume: a shuffling ``DataLoader`` draws its permutation from torch's global RNG, or from
+the ``generator`` it was given, when it starts an epoch, and Lightning cannot replay that on
+resume. :class:`DataTracker` records the state of the CPU RNG and of every generator that drives
+the loader's order (:func:`order_generators`) at the start of each epoch and, in the checkpoint,
+how many batches of the epoch were trained. On resume it restores those states, re-creates the
+same permutation, skips the trained batches, and then restores them to checkpoint time.
+
+The window loader never reads past a sized loader's last batch, as plain Lightning does not:
+a ``RandomSampler`` with a generator draws its next permutation when read past its end.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class DataTracker:
         self._exhausted = False
         self._resume: dict[str, Any] | None = None
         self.epoch_length: int | float = math.inf  # batches in this epoch, if the dataloader is sized
+        self._generators: list[torch.Generator] = []
+        self._epoch_generator_states: list[torch.Tensor] = []
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this epoch exactly."""
@@ -50,6 +56,8 @@ class DataTracker:
             "epoch": self._epoch,
             "epoch_rng": self._epoch_rng,
             "rng": torch.get_rng_state(),
+            "epoch_generators": self._epoch_generator_states,
+            "generators": [g.get_state() for g in self._generators],
             "position": position,
             "finished": done and position >= self._yielded,
         }
@@ -62,31 +70,47 @@ class DataTracker:
         """Arrange for the next epoch start to continue from ``state``."""
         self._resume = dict(state)
 
-    def start_epoch(self, length: int | float = math.inf) -> int:
-        """Called as an epoch's iterator starts, with the dataloader's length; returns how many batches to skip."""
+    def start_epoch(self, length: int | float = math.inf, generators: list[torch.Generator] | None = None) -> int:
+        """Called as an epoch's iterator starts, with the dataloader's length and :func:`order_generators`;
+        returns how many batches to skip."""
         trainer = self._trainer()
         self.epoch_length = length
+        self._generators = list(generators or [])
         resume, self._resume = self._resume, None
         self._yielded, self._windows, self._exhausted = 0, 0, False
         self._epoch = trainer.current_epoch
-        self._after_skip = None
+        self._after_skip: dict[str, Any] | None = None
+        if resume is not None:
+            saved = resume.get("generators", [])  # absent in checkpoints of 0.1
+            if len(saved) != len(self._generators):
+                raise NASPipeConfigError(
+                    f"The checkpoint's training data order was driven by {len(saved)} seeded torch.Generator(s) "
+                    f"(DataLoader(generator=...) or a sampler's), this dataloader's by {len(self._generators)}; "
+                    "resume with the same dataloader setup to continue the data order exactly."
+                )
         if resume is not None and not resume["finished"] and resume["epoch_rng"] is not None:
-            torch.set_rng_state(resume["epoch_rng"])
-            self._epoch_rng = resume["epoch_rng"]
+            self._set_states(resume["epoch_rng"], resume.get("epoch_generators", []))
+            self._epoch_rng, self._epoch_generator_states = resume["epoch_rng"], resume.get("epoch_generators", [])
             self._epoch_start_step = trainer.global_step - resume["position"]
-            self._after_skip = resume["rng"]
+            self._after_skip = resume
             return int(resume["position"])
         if resume is not None:
-            torch.set_rng_state(resume["rng"])
+            self._set_states(resume["rng"], resume.get("generators", []))
         self._epoch_rng = torch.get_rng_state()
+        self._epoch_generator_states = [g.get_state() for g in self._generators]
         self._epoch_start_step = trainer.global_step
         return 0
 
+    def _set_states(self, rng: torch.Tensor, generator_states: list[torch.Tensor]) -> None:
+        torch.set_rng_state(rng)
+        for generator, state in zip(self._generators, generator_states):
+            generator.set_state(state)
+
     def skipped(self, count: int) -> None:
-        """The first ``count`` batches were skipped; put the RNG where the checkpoint left it."""
+        """The first ``count`` batches were skipped; put the RNGs where the checkpoint left them."""
         self._yielded = count
         if self._after_skip is not None:
-            torch.set_rng_state(self._after_skip)
+            self._set_states(self._after_skip["rng"], self._after_skip.get("generators", []))
             self._after_skip = None
 
     def yielded(self, count: int, exhausted: bool) -> None:
@@ -177,7 +201,8 @@ class WindowLoader:
         return getattr(self.dataloader, name)
 
     def __iter__(self) -> Iterator[list[Any]]:
-        skip = self.tracker.start_epoch(_length(self.dataloader))
+        length = _length(self.dataloader)
+        skip = self.tracker.start_epoch(length, order_generators(self.dataloader))
         iterator = iter(self.dataloader)
         skipped = sum(1 for _ in itertools.islice(iterator, skip))
         if skipped < skip:
@@ -186,9 +211,12 @@ class WindowLoader:
                 f"{skipped}; resume with the same data, batch size and dataset as the checkpointed run."
             )
         self.tracker.skipped(skip)
+        remaining = length - skip
         while True:
-            batches = list(itertools.islice(iterator, self.window))
-            exhausted = len(batches) < self.window
+            # Never past a sized loader's end (see the module docstring).
+            batches = list(itertools.islice(iterator, int(min(self.window, remaining))))
+            remaining -= len(batches)
+            exhausted = len(batches) < self.window or remaining <= 0
             if exhausted and not batches:
                 self.tracker.yielded(0, True)
                 return
@@ -196,6 +224,31 @@ class WindowLoader:
             yield batches
             if exhausted:
                 return
+
+
+def order_generators(dataloader: object) -> list[torch.Generator]:
+    """The seeded generators that drive ``dataloader``'s order: its own (it draws the worker base seed
+    from it) and its sampler's or batch sampler's, each once.
+
+    Raises:
+        NASPipeConfigError: a sampler's ``generator`` is not a ``torch.Generator``, whose state could not be
+            saved for exact resume.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    holders = (dataloader, getattr(dataloader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    found: dict[int, torch.Generator] = {}
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if generator is None:
+            continue
+        if not isinstance(generator, torch.Generator):
+            raise NASPipeConfigError(
+                f"The training dataloader's {type(holder).__name__}.generator is a {type(generator).__name__}; NASPipe "
+                "saves the state of the generators that drive the data order to resume it exactly, and can only do "
+                "that for a torch.Generator. Use torch.Generator().manual_seed(...) instead."
+            )
+        found[id(generator)] = generator
+    return list(found.values())
 
 
 def _length(dataloader: Iterable[Any]) -> int | float:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_naspipe.data import DataTracker, WindowLoader, check_loop_state_layout, reopen_epoch
+from lightning_naspipe.data import DataTracker, WindowLoader, check_loop_state_layout, order_generators, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 
 
@@ -88,3 +88,61 @@ def test_changed_loop_state_layout_fails_loudly_naming_the_version() -> None:
         "epoch_progress": {"total": {}, "current": {}}}}}
     with pytest.raises(NASPipeConfigError, match=r"Lightning 9\.9\.9 .*epoch_progress.*'total'.*lightning<2\.7"):
         reopen_epoch(checkpoint, 0)
+
+
+def _seeded_loader(seed: int = 5, batch_size: int = 8) -> DataLoader:
+    from helpers import toy_loader
+
+    dataset = toy_loader().dataset
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def test_window_loader_reads_a_sized_loader_no_further_than_its_end() -> None:
+    # A RandomSampler with a generator draws its next permutation when read past its end: plain
+    # Lightning never reads past len(loader), so neither may the windows (96 samples / 8 = 12 = 3 x 4).
+    plain, windowed = _seeded_loader(), _seeded_loader()
+    for _ in range(3):
+        batches = iter(plain)  # as Lightning reads a sized loader: len(plain) batches, not to StopIteration
+        for _ in range(len(plain)):
+            next(batches)
+        assert sum(len(w) for w in WindowLoader(windowed, 4, DataTracker(_trainer))) == 12
+    assert torch.equal(plain.generator.get_state(), windowed.generator.get_state())
+
+
+def test_order_generators_finds_each_generator_once_and_refuses_foreign_ones() -> None:
+    loader = _seeded_loader()
+    assert order_generators(loader) == [loader.generator]  # DataLoader's and RandomSampler's are one
+    assert order_generators(DataLoader(list(range(4)))) == []
+    loader.sampler.generator = object()
+    with pytest.raises(NASPipeConfigError, match="RandomSampler.generator is a object.*torch.Generator"):
+        order_generators(loader)
+
+
+@pytest.mark.parametrize("stop_at", [17, 12], ids=["mid-epoch", "epoch-end"])
+def test_seeded_generator_loader_equals_plain_run_also_across_resume(tmp_path: Path, stop_at: int) -> None:
+    import lightning_naspipe as lnp
+    from helpers import TOY_NETS, assert_same_state, full_state, pl, train, trainer_kwargs
+
+    plain = full_state(*train(loader=_seeded_loader(), max_epochs=3))
+    assert_same_state(plain, full_state(*train(lnp.NASPipeStrategy(window=5), loader=_seeded_loader(), max_epochs=3)))
+
+    stopped_model, stopped = train(lnp.NASPipeStrategy(window=5), loader=_seeded_loader(), max_epochs=3,
+                                   max_steps=stop_at)
+    stopped.save_checkpoint(tmp_path / "stop.ckpt")
+    torch.manual_seed(1234)  # a fresh process: other RNG states, a freshly seeded generator
+    model = TOY_NETS[pl]()
+    model.losses.update(stopped_model.losses)
+    trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=3), max_epochs=3))
+    trainer.fit(model, _seeded_loader(), ckpt_path=tmp_path / "stop.ckpt")
+    assert_same_state(plain, full_state(model, trainer))
+
+
+def test_resume_with_another_generator_setup_is_refused(tmp_path: Path) -> None:
+    import lightning_naspipe as lnp
+    from helpers import TOY_NETS, pl, toy_loader, train, trainer_kwargs
+
+    _, stopped = train(lnp.NASPipeStrategy(window=5), loader=_seeded_loader(), max_epochs=2, max_steps=7)
+    stopped.save_checkpoint(tmp_path / "stop.ckpt")
+    trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=5), max_epochs=2))
+    with pytest.raises(NASPipeConfigError, match=r"driven by 1 seeded torch.Generator.*by 0"):
+        trainer.fit(TOY_NETS[pl](), toy_loader(), ckpt_path=tmp_path / "stop.ckpt")
