@@ -66,6 +66,10 @@ class DataTracker:
         """Subnets trained in this epoch so far (a resumed run's included)."""
         return int(self._trainer().global_step - self._epoch_start_step)
 
+    def next_index(self) -> int:
+        """The index of the next subnet to be handed out (windows handed out but not yet trained included)."""
+        return self._epoch_start_step + self._yielded
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Arrange for the next epoch start to continue from ``state``."""
         self._resume = dict(state)
@@ -183,12 +187,18 @@ class WindowLoader:
         dataloader: the user's (already Lightning-processed) training dataloader.
         window: subnets per Lightning batch.
         tracker: records the epoch position for exact resume.
+        step_triggers: every this many subnets something must see the run between two windows
+            (``ModelCheckpoint(every_n_train_steps=...)``): a window ends early rather than cross a
+            multiple, so the trigger fires at the subnet count the user asked for. Results never depend
+            on where windows end.
     """
 
-    def __init__(self, dataloader: Iterable[Any], window: int, tracker: DataTracker) -> None:
+    def __init__(self, dataloader: Iterable[Any], window: int, tracker: DataTracker,
+                 step_triggers: Iterable[int] = ()) -> None:
         self.dataloader = dataloader
         self.window = window
         self.tracker = tracker
+        self.step_triggers = sorted(set(step_triggers))
 
     # No ``__len__`` on purpose: Lightning then ends an epoch when the data runs out rather than
     # after a count of windows, which a resumed run (partial first window, another window size)
@@ -214,9 +224,10 @@ class WindowLoader:
         remaining = length - skip
         while True:
             # Never past a sized loader's end (see the module docstring).
-            batches = list(itertools.islice(iterator, int(min(self.window, remaining))))
+            size = min(self.window, remaining, *(n - self.tracker.next_index() % n for n in self.step_triggers))
+            batches = list(itertools.islice(iterator, int(size)))
             remaining -= len(batches)
-            exhausted = len(batches) < self.window or remaining <= 0
+            exhausted = len(batches) < size or remaining <= 0
             if exhausted and not batches:
                 self.tracker.yielded(0, True)
                 return

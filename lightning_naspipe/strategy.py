@@ -206,7 +206,20 @@ class NASPipeStrategy(StageProcesses):
                 f"{type(model).__name__} does not use the NASPipe mixin: declare it as "
                 f"class {type(model).__name__}(lightning_naspipe.NASPipeMixin, LightningModule)."
             )
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None:
+            self._refuse_batch_counted_triggers(trainer)
         super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
+
+    def _refuse_batch_counted_triggers(self, trainer: Any) -> None:
+        interval = trainer.val_check_interval
+        if self.window > 1 and isinstance(interval, int) and not isinstance(interval, bool):
+            raise NASPipeConfigError(
+                f"Trainer(val_check_interval={interval}) counts Lightning batches, which are windows of "
+                f"{self.window} subnets under NASPipeStrategy, so validation would not run every {interval} "
+                "subnets as in a plain run. Validate per epoch (check_val_every_n_epoch), or use "
+                "NASPipeStrategy(window=1)."
+            )
 
     def _trainer(self) -> Any:
         assert self.lightning_module is not None, "the strategy is connected to a module"
@@ -392,7 +405,9 @@ class NASPipeStrategy(StageProcesses):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        return WindowLoader(dataloader, self.window, self.data_tracker)  # type: ignore[arg-type]
+        # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window (a private attribute).
+        triggers = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
+        return WindowLoader(dataloader, self.window, self.data_tracker, triggers)  # type: ignore[arg-type]
 
     @classmethod
     @override

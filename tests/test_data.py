@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -146,3 +147,11 @@ def test_resume_with_another_generator_setup_is_refused(tmp_path: Path) -> None:
     trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=5), max_epochs=2))
     with pytest.raises(NASPipeConfigError, match=r"driven by 1 seeded torch.Generator.*by 0"):
         trainer.fit(TOY_NETS[pl](), toy_loader(), ckpt_path=tmp_path / "stop.ckpt")
+
+
+def test_windows_end_at_step_triggers() -> None:
+    loader = DataLoader(list(range(20)), batch_size=1)
+    trainer = _trainer(step=3)  # e.g. resumed at subnet 3
+    windows = list(WindowLoader(loader, 5, DataTracker(lambda: trainer), step_triggers=[8, 6]))
+    ends = list(itertools.accumulate(len(w) for w in windows))
+    assert [3 + e for e in ends] == [6, 8, 12, 16, 18, 23]  # never across a multiple of 6 or 8

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -106,3 +108,27 @@ def test_offload_equals_plain_and_reports_memory(reference: dict) -> None:
     metrics = trainer.callback_metrics
     assert 0 < metrics["offload/peak_device_bytes_stage0"] <= metrics["offload/partition_bytes_stage0"] * 2
     assert metrics["offload/device_bytes_stage0"] == 0  # all back in host memory between windows
+
+
+def test_checkpoint_every_n_train_steps_fires_at_the_plain_runs_steps(tmp_path: Path) -> None:
+    # Windows of 5 over epochs of 12 subnets would land on 8, 16, ... only by chance; they end there instead.
+    def fit(strategy: object, folder: str) -> dict[str, torch.Tensor]:
+        every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=8, save_top_k=-1)
+        train(strategy, max_epochs=3, enable_checkpointing=True, callbacks=[every])
+        saved = sorted(p.name for p in (tmp_path / folder).iterdir())
+        return {name: torch.load(tmp_path / folder / name, weights_only=False)["state_dict"] for name in saved}
+
+    plain, piped = fit(None, "plain"), fit(lnp.NASPipeStrategy(window=5), "piped")
+    assert list(plain) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=1-step=24.ckpt",
+                           "epoch=2-step=32.ckpt"]
+    assert list(piped) == list(plain)
+    for name in plain:
+        assert all(torch.equal(plain[name][k], piped[name][k]) for k in plain[name]), name
+
+
+def test_val_check_interval_in_batches_is_refused_with_windows() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match=r"val_check_interval=3\) counts Lightning batches.*window=1"):
+        train(lnp.NASPipeStrategy(window=4), max_epochs=1, val_check_interval=3,
+              val_loader=toy_loader(samples=16, shuffle=False))
+    train(lnp.NASPipeStrategy(window=1), max_epochs=1, val_check_interval=3,
+          val_loader=toy_loader(samples=16, shuffle=False))  # one subnet per batch: exact, allowed
