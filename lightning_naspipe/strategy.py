@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.block_timing import agreed_timed_weights
+from lightning_naspipe.checkpoint_io import atomic_checkpoint_io
 from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
@@ -100,7 +101,9 @@ class NASPipeStrategy(StageProcesses):
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer from ``devices``.
         cluster_environment: set by the Trainer (``torchrun``, SLURM, ... are detected).
-        checkpoint_io: how checkpoints are written; Lightning's default ``torch.save`` format.
+        checkpoint_io: how checkpoints are written; default: Lightning's ``torch.save`` format, written
+            crash-safe (a temporary file next to the target, fsynced and renamed over it; see
+            :mod:`.checkpoint_io`).
         precision_plugin: set by the Trainer from ``precision``.
     """
 
@@ -175,6 +178,21 @@ class NASPipeStrategy(StageProcesses):
         self.data_tracker = DataTracker(self._trainer)
 
     # -- binding to a namespace -------------------------------------------------------------
+
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        assert self._namespace is not None, "bound by the Trainer"
+        wrapping = self._namespace.pytorch_module("plugins.io.wrapper")._WrappingCheckpointIO
+        if self._checkpoint_io is None:  # the default: Lightning's format, written crash-safe
+            self._checkpoint_io = atomic_checkpoint_io(self._namespace)
+        elif isinstance(self._checkpoint_io, wrapping) and self._checkpoint_io.checkpoint_io is None:
+            self._checkpoint_io.checkpoint_io = atomic_checkpoint_io(self._namespace)  # e.g. AsyncCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
 
     @property
     def accelerator(self) -> Any:
