@@ -20,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_naspipe.arguments import check_all
 from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.checkpoint_io import atomic_checkpoint_io
 from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler
@@ -34,7 +35,6 @@ from lightning_naspipe.placement import move_blocks, place_module, rebalanced
 from lightning_naspipe.processes import StageProcesses
 from lightning_naspipe.progress import count_subnets
 from lightning_naspipe.stage_table import chunks_hint, stage_table
-from lightning_naspipe.schedule import SCHEDULES
 from lightning_naspipe.supernet import supernet_of
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport import P2PTransport
@@ -94,7 +94,7 @@ class NASPipeStrategy(StageProcesses):
             ``naspipe_trace.json`` (Chrome trace; open in Perfetto) and, if matplotlib is installed,
             ``naspipe_timeline.png`` to this folder (implies ``telemetry``).
         timeout: how long a stage waits for a neighbour or a collective before it declares
-            that stage lost and fails the run.
+            that stage lost and fails the run; a number is seconds.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device type.
         start_method: ``"popen"`` (re-run the script per process, Lightning's default) or
             ``"spawn"``/``"fork"``/``"forkserver"`` (multiprocessing, e.g. for notebooks).
@@ -123,7 +123,7 @@ class NASPipeStrategy(StageProcesses):
         offload_budget_bytes: int | None = None,
         telemetry: bool = False,
         trace_dir: str | None = None,
-        timeout: timedelta = timedelta(minutes=3),
+        timeout: timedelta | float = timedelta(minutes=3),
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
@@ -132,10 +132,11 @@ class NASPipeStrategy(StageProcesses):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        _check_positive("window", window, "the number of subnets per Lightning batch, e.g. window=8")
-        _check_positive("chunks", chunks, "the number of micro-batches per subnet, e.g. chunks=1")
-        if num_stages is not None:
-            _check_positive("num_stages", num_stages, "the number of pipeline stages, or None for one per process")
+        checked = check_all(dict(
+            window=window, chunks=chunks, num_stages=num_stages, balance=balance, schedule=schedule,
+            rebalance_every=rebalance_every, offload=offload, offload_budget_bytes=offload_budget_bytes,
+            telemetry=telemetry, trace_dir=trace_dir, timeout=timeout, process_group_backend=process_group_backend,
+            start_method=start_method))
         self._plugins = {"accelerator": accelerator, "parallel_devices": parallel_devices,
                          "cluster_environment": cluster_environment, "checkpoint_io": checkpoint_io,
                          "precision_plugin": precision_plugin}
@@ -150,15 +151,8 @@ class NASPipeStrategy(StageProcesses):
         self.window = window
         self.chunks = chunks
         self.num_stages = num_stages
-        self.balance = list(balance) if balance is not None else None
-        if rebalance_every is not None:
-            _check_positive("rebalance_every", rebalance_every, "how many windows pass between rebalancing checks, "
-                            "or None to keep the split fixed")
+        self.balance: list[int] | None = checked["balance"]
         self.rebalance_every = rebalance_every if balance is None else None  # an explicit balance is kept
-        if schedule not in SCHEDULES:
-            raise NASPipeConfigError(
-                f"NASPipeStrategy(schedule={schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}."
-            )
         if schedule == "async":
             rank_zero_warn("NASPipeStrategy(schedule='async') ignores parameter sharing between in-flight subnets: "
                            "results are not reproducible. Use it only as a speed baseline.")
@@ -167,7 +161,7 @@ class NASPipeStrategy(StageProcesses):
         self.offload_budget_bytes = offload_budget_bytes
         self.telemetry = telemetry or trace_dir is not None
         self.trace_dir = trace_dir
-        self.timeout = timeout
+        self.timeout: timedelta = checked["timeout"]
         self._process_group_backend = process_group_backend
         self._start_method = start_method
         self._num_nodes = 1
@@ -434,10 +428,6 @@ class NASPipeStrategy(StageProcesses):
             cls.strategy_name, cls, description="NASPipe: reproducible CSP pipeline for supernets", override=True
         )
 
-
-def _check_positive(name: str, value: object, meaning: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise NASPipeConfigError(f"NASPipeStrategy({name}={value!r}) is invalid: {name} is {meaning} (an int >= 1).")
 
 
 # One bound class per installed namespace, e.g. ``PytorchLightningNASPipeStrategy``: the body above on

@@ -77,7 +77,8 @@ def test_kill_during_writes_never_leaves_a_truncated_checkpoint(tmp_path: Path) 
     assert _leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("namespace", [pytest.param(L, id="lightning.pytorch"), pytest.param(pl, id="pytorch_lightning")])
+@pytest.mark.parametrize("namespace", [pytest.param(L, id="lightning.pytorch"),
+                                       pytest.param(pl, id="pytorch_lightning")])
 def test_strategy_saves_crash_safe_by_default_and_keeps_a_users_io(namespace: Any, tmp_path: Path) -> None:
     _, trainer = train(lnp.NASPipeStrategy(window=4), namespace=namespace, max_steps=4)
     assert type(trainer.strategy.checkpoint_io).__name__.endswith("AtomicCheckpointIO")
