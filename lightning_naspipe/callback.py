@@ -8,7 +8,7 @@ resume state in the checkpoint. The mixin attaches it through ``configure_callba
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning_naspipe.data import reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
@@ -18,6 +18,20 @@ from lightning_naspipe.supernet import supernet_of
 
 CHECKPOINT_KEY = "naspipe"
 
+if TYPE_CHECKING:
+    from lightning_naspipe.engine import Engine
+
+
+@runtime_checkable
+class PipelineRunner(Protocol):
+    """What the mixin needs from ``NASPipeStrategy`` (which imports this module, not the other way)."""
+
+    engine: Engine | None
+
+    def report_stages(self) -> None: ...
+
+    def stage_metrics(self) -> dict[str, float]: ...
+
 
 def validate_run(trainer: Any, module: object) -> None:
     """Raise :class:`NASPipeConfigError` for settings NASPipe cannot honour exactly.
@@ -25,6 +39,13 @@ def validate_run(trainer: Any, module: object) -> None:
     Runs before Lightning's own manual-optimization checks, so users get advice that fits NASPipe.
     """
     supernet_of(module)  # raises if self.supernet is missing
+    if not isinstance(trainer.strategy, PipelineRunner) and trainer.world_size > 1:
+        raise NASPipeConfigError(
+            f"{type(module).__name__} uses the NASPipe mixin under {type(trainer.strategy).__name__} with "
+            f"{trainer.world_size} processes: that strategy shards data or gradients in ways that break the "
+            "subnet-by-subnet contract (it would train something else silently). Use Trainer(strategy=\"naspipe\", "
+            "devices=N) for N pipeline stages, or one device."
+        )
     if getattr(module, "automatic_optimization", False):
         raise NASPipeConfigError(
             f"{type(module).__name__} re-enables automatic optimization; NASPipe steps the optimizer once per "

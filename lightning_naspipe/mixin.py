@@ -6,11 +6,11 @@ It works with the LightningModule of either namespace (``lightning.pytorch`` or 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
-from lightning_naspipe.callback import NASPipeCallback, validate_run
+from lightning_naspipe.callback import NASPipeCallback, PipelineRunner, validate_run
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.executor import Window
@@ -21,17 +21,6 @@ from lightning_naspipe.supernet import Architecture, Supernet, supernet_of
 
 if TYPE_CHECKING:
     from lightning_naspipe.engine import EngineModule
-
-
-@runtime_checkable
-class PipelineRunner(Protocol):
-    """What the mixin needs from ``NASPipeStrategy`` (which imports the mixin, not the other way)."""
-
-    engine: Engine | None
-
-    def report_stages(self) -> None: ...
-
-    def stage_metrics(self) -> dict[str, float]: ...
 
 
 class NASPipeMixin:
@@ -52,10 +41,13 @@ class NASPipeMixin:
         supernet_example_input: optional; what the first block receives for one subnet batch
             (``pipeline_input(batch)``), e.g. ``torch.zeros(32, 3, 32, 32)``. When set, the pipeline
             stages are balanced by each block's measured time on it instead of by parameter counts.
+        naspipe_allow_nonfinite_loss: by default a NaN or infinite training loss stops the run with a
+            ``FloatingPointError`` naming the subnet and its architecture; set True to train on.
     """
 
     supernet: Supernet
     supernet_example_input: Any = None
+    naspipe_allow_nonfinite_loss: bool = False
 
     # -- what users implement or override ------------------------------------------------
 
@@ -174,6 +166,14 @@ class NASPipeMixin:
         reported = []
         for k, loss in enumerate(window.losses):
             if loss is not None:
+                if not self.naspipe_allow_nonfinite_loss and not bool(loss.isfinite().all()):
+                    # Every stage has the same loss, so every stage stops at this same subnet.
+                    raise FloatingPointError(
+                        f"Subnet {window.first_index + k} (architecture {window.architectures[k]}) has a non-finite "
+                        f"training loss ({loss.item()}); the run stops rather than train on. Lower the learning rate "
+                        "or clip in on_before_optimizer_step, or set self.naspipe_allow_nonfinite_loss = True in "
+                        "__init__ to train on regardless."
+                    )
                 reported.append(loss)
                 self.on_train_subnet_end(window.first_index + k, window.architectures[k], loss)
         return reported[-1] if reported else None

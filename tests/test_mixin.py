@@ -132,3 +132,41 @@ def test_seed_comes_from_seed_everything_or_the_attribute() -> None:
     assert model.naspipe_seed == 31
     model.naspipe_seed = 5
     assert model.naspipe_seed == 5
+
+
+@pytest.mark.slow
+def test_another_multi_process_strategy_is_refused_naming_naspipe() -> None:
+    # DDP's own advice (find_unused_parameters) would make it train something else silently.
+    trainer = pl.Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=2))
+    with pytest.raises(Exception, match=r"NASPipe mixin under DDPStrategy with 2 processes.*strategy=\"naspipe\""):
+        trainer.fit(ToyNet(), toy_loader())
+
+
+def test_configure_callbacks_without_super_is_named() -> None:
+    class NoCallbacks(ToyNet):  # type: ignore[misc, valid-type]
+        def configure_callbacks(self) -> list[Any]:
+            return []
+
+    for strategy in (None, lnp.NASPipeStrategy(window=2)):
+        trainer = pl.Trainer(**trainer_kwargs(strategy=strategy or "auto", max_steps=2))
+        with pytest.raises(lnp.NASPipeConfigError, match=r"return super\(\).configure_callbacks\(\)"):
+            trainer.fit(NoCallbacks(), toy_loader())
+
+
+class ExplodingLoss(ToyNet):  # type: ignore[misc, valid-type]
+    def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        loss = super().compute_loss(output, batch)
+        return loss * float("nan") if self.trainer.global_step >= 5 else loss
+
+
+@pytest.mark.parametrize("strategy", [None, "naspipe"])
+def test_nonfinite_loss_stops_naming_the_subnet_unless_allowed(strategy: str | None) -> None:
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy or "auto", max_steps=12))
+    with pytest.raises(FloatingPointError, match=r"Subnet \d+ \(architecture \{.*\}\) has a non-finite training "
+                                                 r"loss \(nan\)"):
+        trainer.fit(ExplodingLoss(), toy_loader())
+    model = ExplodingLoss()
+    model.naspipe_allow_nonfinite_loss = True
+    trainer = pl.Trainer(**trainer_kwargs(strategy=strategy or "auto", max_steps=12))
+    trainer.fit(model, toy_loader())
+    assert trainer.global_step == 12
