@@ -50,3 +50,45 @@ def split_batch(batch: Any, chunks: int) -> list[tuple[Any, float]]:
     # tensor_split gives the first ``size % chunks`` pieces one extra sample.
     counts = [size // chunks + (1 if i < size % chunks else 0) for i in range(chunks)]
     return [(piece, count / size) for piece, count in zip(pieces, counts)]
+
+
+def batch_sizes(dataloader: object) -> set[int]:
+    """The batch sizes a plain ``DataLoader`` over a sized dataset yields (empty when it cannot tell)."""
+    batch_size = getattr(dataloader, "batch_size", None)
+    dataset = getattr(dataloader, "dataset", None)
+    try:
+        samples = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return set()
+    if not isinstance(batch_size, int) or samples == 0:
+        return set()
+    sizes = {min(batch_size, samples)}
+    if samples % batch_size and not getattr(dataloader, "drop_last", False):
+        sizes.add(samples % batch_size)
+    return sizes
+
+
+def check_batch_sizes(dataloader: object, chunks: int, modules: torch.nn.Module, training: bool) -> None:
+    """Fail at fit start, on every stage alike, for batches that would fail later on one stage.
+
+    Raises:
+        NASPipeConfigError: a batch smaller than ``chunks``, or (training) 1-sample micro-batches
+            through ``BatchNorm1d``, which cannot normalise one sample.
+    """
+    sizes = batch_sizes(dataloader)
+    if not sizes:
+        return
+    smallest = min(sizes)
+    where = (f"the dataloader's batches have {sorted(sizes)} samples (len(dataset)="
+             f"{len(getattr(dataloader, 'dataset'))}, batch_size={getattr(dataloader, 'batch_size')})")
+    if smallest < chunks:
+        raise NASPipeConfigError(
+            f"NASPipeStrategy(chunks={chunks}) splits every batch into {chunks} micro-batches, but {where}. Use "
+            "DataLoader(drop_last=True), a batch_size that divides the dataset, or fewer chunks."
+        )
+    if training and smallest // chunks == 1 and any(isinstance(m, torch.nn.BatchNorm1d) for m in modules.modules()):
+        raise NASPipeConfigError(
+            f"With chunks={chunks}, {where}, so a micro-batch can hold 1 sample, and the supernet's BatchNorm1d "
+            "cannot normalise one sample in training ('Expected more than 1 value per channel'). Use "
+            "DataLoader(drop_last=True), a larger batch_size, or fewer chunks."
+        )

@@ -27,6 +27,7 @@ from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.microbatch import check_batch_sizes
 from lightning_naspipe.mixin import NASPipeMixin
 from lightning_naspipe.namespaces import Namespace, installed, namespace_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
@@ -415,7 +416,9 @@ class NASPipeStrategy(StageProcesses):
     def process_dataloader(self, dataloader: object) -> object:
         refuse_distributed_sampler(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.training:
+        training = trainer is not None and trainer.training
+        check_batch_sizes(dataloader, self.chunks, supernet_of(self.lightning_module), training)
+        if trainer is None or not training:
             return dataloader
         # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window (a private attribute).
         triggers = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]

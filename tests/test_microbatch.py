@@ -29,3 +29,42 @@ def test_split_along_first_dim_with_weights() -> None:
 def test_unsplittable_batches(batch: object, needle: str) -> None:
     with pytest.raises(lnp.NASPipeConfigError, match=needle):
         split_batch(batch, 2)
+
+
+def test_batch_sizes_of_a_plain_loader() -> None:
+    from torch.utils.data import DataLoader
+
+    from lightning_naspipe.microbatch import batch_sizes
+
+    assert batch_sizes(DataLoader(list(range(10)), batch_size=4)) == {4, 2}
+    assert batch_sizes(DataLoader(list(range(10)), batch_size=4, drop_last=True)) == {4}
+    assert batch_sizes(DataLoader(list(range(3)), batch_size=8)) == {3}
+    assert batch_sizes(object()) == set()
+
+
+@pytest.mark.parametrize("samples, chunks, batchnorm, needle", [
+    (97, 4, False, r"chunks=4\) splits every batch .* \[1, 8\] samples .*len\(dataset\)=97, batch_size=8"),
+    (98, 2, True, r"micro-batch can hold 1 sample.*BatchNorm1d"),
+    (98, 1, True, None),  # batches of 2: fine for BatchNorm
+    (97, 1, False, None),
+])
+def test_bad_batch_sizes_fail_at_fit_start(samples: int, chunks: int, batchnorm: bool, needle: str | None) -> None:
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_naspipe as lnp
+    from helpers import CLASSES, FEATURES, ToyNet, trainer_kwargs
+
+    model = ToyNet()  # its "shared" choice has a BatchNorm1d candidate
+    if not batchnorm:
+        model.supernet = lnp.Supernet(torch.nn.Linear(FEATURES, 8), lnp.ChoiceBlock([torch.nn.Tanh(), torch.nn.ReLU()]),
+                                      torch.nn.Linear(8, CLASSES))
+    data = DataLoader(TensorDataset(torch.randn(samples, FEATURES), torch.zeros(samples, dtype=torch.long)),
+                      batch_size=8)
+    trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=4, chunks=chunks), max_steps=2))
+    if needle is None:
+        trainer.fit(model, data)
+    else:
+        with pytest.raises(lnp.NASPipeConfigError, match=needle):
+            trainer.fit(model, data)
+        assert trainer.global_step == 0  # before any training
