@@ -190,9 +190,11 @@ class Engine:
         keys = module.supernet.resources(self.blocks, architecture)
         if self.offloader is not None:
             self.offloader.acquire(keys)
-        output = executor.forward_only(batch, architecture)
-        if self.offloader is not None:
-            self.offloader.release(keys)
+        try:
+            output = executor.forward_only(batch, architecture)
+        finally:  # an error must not leave the resources counted as in use
+            if self.offloader is not None:
+                self.offloader.release(keys)
         if self.transport is not None:
             self.transport.end_window()
             output = self.transport.share(output)

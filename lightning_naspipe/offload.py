@@ -143,6 +143,12 @@ class Offloader:
             if resident.users == 0 and key not in keep:
                 self._evict(key)
 
+    def close(self) -> None:
+        """Stop the copy thread (CPU) once pending copies are done; the offloader is not used after this."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+
     def evict_all(self) -> None:
         """Put every idle resource back in host memory (e.g. at the end of a window)."""
         for key in [k for k, r in self._resident.items() if r.users == 0]:
@@ -197,7 +203,10 @@ class Offloader:
     def _start_copy(self, key: Hashable) -> None:
         resource = self._resources[key]
         sources = self._tensors(resource)  # the host copies, freshest after eviction
-        targets = [torch.empty_like(t, device=self.device) for t in sources]
+        # Normal tensors even under validation's inference mode: they may stay resident into training,
+        # and the CPU copy thread (outside inference mode, which is per thread) writes into them.
+        with torch.inference_mode(False):
+            targets = [torch.empty_like(t, device=self.device) for t in sources]
         if self._cuda:
             assert self._stream is not None
             self._stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -282,6 +282,8 @@ class NASPipeStrategy(StageProcesses):
         # Every stage process computes every stage's sizes from shapes alone: same schedule everywhere.
         sizes = [{key: estimated_bytes(state, optimizer) for key, state in supernet.stage_resources(b).items()}
                  for b in self.stage_ranges]
+        if self.engine.offloader is not None:
+            self.engine.offloader.close()
         self.engine.offloader = Offloader(supernet.stage_resources(self.engine.blocks), optimizer,
                                           self.root_device, self.offload_budget_bytes, sizes[self.stage])
         if self.offload_budget_bytes is not None:
@@ -360,6 +362,17 @@ class NASPipeStrategy(StageProcesses):
             self._write_trace()
         self.sync_weights()
         supernet_of(self.lightning_module).local_blocks = None  # whole again
+
+    @override
+    def teardown(self) -> None:
+        # After fit, validate, test or a failure: no copy thread left, and the supernet whole again.
+        if self.engine is not None and self.engine.offloader is not None:
+            self.engine.offloader.close()
+            self.engine.offloader = None
+        supernet = getattr(self.lightning_module, "supernet", None)
+        if supernet is not None:
+            supernet.local_blocks = None
+        super().teardown()
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -161,3 +161,34 @@ def test_strategy_budget_is_respected_and_exact() -> None:
     assert trainer.callback_metrics["offload/peak_device_bytes_stage0"] <= budget
     with pytest.raises(lnp.NASPipeConfigError, match="offload_budget_bytes"):
         train(lnp.NASPipeStrategy(window=8, offload=True, offload_budget_bytes=100), max_epochs=1)
+
+
+def test_a_failed_evaluation_releases_what_it_acquired(monkeypatch: pytest.MonkeyPatch) -> None:
+    module, offloader = _train(True, 4)
+    assert offloader is not None
+    engine = Engine([range(len(module.supernet))], offloader=offloader)
+    from lightning_naspipe.executor import StageExecutor
+
+    def fails(*args: object) -> None:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(StageExecutor, "forward_only", fails)
+    architecture = {label: 0 for label in module.supernet.labels}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.evaluate(module, batches(1)[0], architecture)  # type: ignore[arg-type]
+    assert all(r.users == 0 for r in offloader._resident.values())
+    offloader.close()
+    offloader.close()  # idempotent
+
+
+def test_fit_leaves_no_copy_thread_and_the_supernet_whole() -> None:
+    import threading
+
+    from helpers import toy_loader, train
+
+    for _ in range(2):
+        model, trainer = train(lnp.NASPipeStrategy(window=4, offload=True), max_steps=4)
+        assert not [t for t in threading.enumerate() if t.name.startswith("naspipe-prefetch")]
+        model.supernet.local_blocks = range(1)  # as a stage process holds it during fit
+        trainer.validate(model, toy_loader(samples=16, shuffle=False), verbose=False)
+        assert model.supernet.local_blocks is None
