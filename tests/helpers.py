@@ -143,20 +143,17 @@ def train(strategy: Any = None, seed: int = 7, model_cls: type | None = None, lo
 
 
 def spawn_gloo_pair(worker: Any) -> dict[str, Any]:
-    """Run ``worker(rank, port, results)`` in two fresh processes; what they put in ``results``.
+    """Run ``worker(rank, init_method, results)`` in two fresh processes; what they put in ``results``.
 
-    The worker joins a gloo process group on ``127.0.0.1:port`` itself.
+    The worker joins a gloo process group with ``init_method`` (a file rendezvous: no port to race for).
     """
-    import socket
+    import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
+    with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(port, results), nprocs=2, join=True)
+        mp.spawn(worker, args=(f"file://{folder}/rendezvous", results), nprocs=2, join=True)
         return dict(results)
 
 

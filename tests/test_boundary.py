@@ -271,8 +271,7 @@ def test_in_place_first_op_is_explained() -> None:
         Engine([range(3)]).train_window(FakeModule(net), _batches(1, 0), 0)
 
 
-def _two_process_worker(rank: int, port: int, results: dict, seeds: tuple[int, ...] = (3, 11)) -> None:
-    import os
+def _two_process_worker(rank: int, init_method: str, results: dict, seeds: tuple[int, ...] = (3, 11)) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -280,8 +279,7 @@ def _two_process_worker(rank: int, port: int, results: dict, seeds: tuple[int, .
     from lightning_naspipe.transport import P2PTransport
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     for seed in seeds:
         net = random_space(seed)
         cut_at = min(j for j in range(2, len(net)) if j not in tied_cuts(net))

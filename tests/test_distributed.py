@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest
@@ -15,9 +14,8 @@ from helpers import spawn_gloo_pair
 pytestmark = pytest.mark.slow
 
 
-def _worker(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+def _worker(rank: int, init_method: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     results[f"gathered{rank}"] = gather_objects({"rank": rank, "stat": 0.5 * rank}, 2)
     results[f"broadcast{rank}"] = broadcast_object(("from rank 1", [rank]), 1, torch.device("cpu"))
     dist.destroy_process_group()

@@ -188,7 +188,7 @@ def _free_port() -> str:
 def test_torchrun_launch(tmp_path: Path, plain: dict) -> None:
     out = tmp_path / "tr.ckpt"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(SCRIPT), "--out", str(out), "--devices", "2", "--window", "8"],
         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest
@@ -28,9 +27,8 @@ VALUES = [
 STEADY = [torch.full((4, 3), float(i)) for i in range(5)]
 
 
-def _worker(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+def _worker(rank: int, init_method: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60))
     # Two independent subnets on two stages: stage 1 may consume them in another order than
     # stage 0 sends them; the transport must buffer by the schedule's send order.
