@@ -33,6 +33,7 @@ from lightning_naspipe.namespaces import Namespace, installed, namespace_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import block_weights, stage_ranges, tied_cuts
 from lightning_naspipe.placement import move_blocks, place_module, rebalanced
+from lightning_naspipe.preemption import SigtermAgreement
 from lightning_naspipe.processes import StageProcesses
 from lightning_naspipe.progress import count_subnets
 from lightning_naspipe.stage_table import chunks_hint, stage_table
@@ -288,6 +289,13 @@ class NASPipeStrategy(StageProcesses):
                                           self.root_device, self.offload_budget_bytes, sizes[self.stage])
         if self.offload_budget_bytes is not None:
             self.engine.memory_budget = (self.offload_budget_bytes, sizes)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.world_size > 1:  # after Lightning registered its signal handlers
+            assert self._namespace is not None
+            SigtermAgreement(self._namespace, self.root_device).install(self._trainer())
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -24,14 +24,16 @@ CSVLogger = pl.loggers.CSVLogger
 
 
 class Killer(pl.Callback):
-    """Kills this process (as if it crashed hard) when its stage reaches a given step."""
+    """Sends ``signum`` to this process (9: as if it crashed hard; 15: preemption) once its stage
+    (or every stage, for stage -2) reaches a given step."""
 
-    def __init__(self, stage: int, step: int) -> None:
-        self.stage, self.step = stage, step
+    def __init__(self, stage: int, step: int, signum: int) -> None:
+        self.stage, self.step, self.signum, self.sent = stage, step, signum, False
 
     def on_train_batch_start(self, trainer: object, *args: object) -> None:
-        if trainer.global_rank == self.stage and trainer.global_step >= self.step:
-            os.kill(os.getpid(), 9)
+        if self.stage in (-2, trainer.global_rank) and trainer.global_step >= self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
 
 
 def main() -> None:
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill-stage", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=0)
+    parser.add_argument("--kill-signal", type=int, default=9)
+    parser.add_argument("--exception-checkpoint", default=None, help="OnExceptionCheckpoint into this folder")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--schedule", default="csp")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
@@ -81,7 +85,9 @@ def main() -> None:
     model = ToyNet()
     if args.example_input:
         model.supernet_example_input = torch.ones(8, FEATURES)  # not randn: the global RNG drives the shuffle
-    callbacks = [Killer(args.kill_stage, args.kill_step)] if args.kill_stage >= 0 else []
+    callbacks = [Killer(args.kill_stage, args.kill_step, args.kill_signal)] if args.kill_stage != -1 else []
+    if args.exception_checkpoint:
+        callbacks.append(pl.callbacks.OnExceptionCheckpoint(args.exception_checkpoint))
     logging: dict = {}
     if args.log_dir:
         # Monitoring callbacks must see the same val_loss on every rank (collective saves, stop votes).
@@ -89,6 +95,8 @@ def main() -> None:
                       EarlyStopping(monitor="val_loss", patience=5)]
         logging = {"logger": CSVLogger(args.log_dir, name="", version=""), "log_every_n_steps": 1,
                    "enable_checkpointing": True}
+    if args.exception_checkpoint:
+        logging["enable_checkpointing"] = True
     trainer = pl.Trainer(**trainer_kwargs(
         strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload,
                                     schedule=args.schedule, rebalance_every=1 if args.force_rebalance else 16),
@@ -96,7 +104,9 @@ def main() -> None:
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,
         **logging,
     ))
-    if args.resume:
+    with open(f"{args.out}.pid{os.environ.get('LOCAL_RANK', '0')}", "w") as pid:
+        pid.write(str(os.getpid()))
+    if args.resume and os.path.exists(args.resume + ".losses"):
         previous = torch.load(args.resume + ".losses", weights_only=False)
         model.losses.update(previous)
     val = toy_loader(samples=40, shuffle=False) if args.log_dir else None

@@ -165,6 +165,44 @@ def _epoch_metrics(log_dir: Path) -> dict[str, list[str]]:
     return {key: [r[key] for r in rows if r.get(key)] for key in ("val_loss", "val_acc", "train_loss_epoch")}
 
 
+def _gone_within(pid_files: list[Path], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    pids = [int(p.read_text()) for p in pid_files]
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("target", ["-2", "1"], ids=["every-stage", "stage-1"])
+def test_sigterm_stops_every_stage_with_a_checkpoint_that_resumes_bitwise(tmp_path: Path, plain: dict,
+                                                                          target: str) -> None:
+    start = time.monotonic()
+    out = tmp_path / "run.ckpt"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "3", "--window", "4",
+                           "--kill-stage", target, "--kill-step", "9", "--kill-signal", str(int(signal.SIGTERM)),
+                           "--exception-checkpoint", str(tmp_path / "exc")],
+                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert time.monotonic() - start < 120, "the stages waited for a timeout"
+    saved = tmp_path / "exc" / "on_exception.ckpt"
+    assert saved.exists(), proc.stderr[-3000:]
+    assert not out.exists()  # training stopped early
+    assert _gone_within(sorted(tmp_path.glob("run.ckpt.pid*")), 30)
+    stopped_at = torch.load(saved, weights_only=False)["global_step"]
+    assert 9 <= stopped_at < 24
+    resumed = _state(_launch(tmp_path, "--devices", "3", "--resume", str(saved), name="resumed"))
+    assert set(resumed["losses"]) == set(range(stopped_at, 24))
+    assert_same_state({**plain, "losses": {i: plain["losses"][i] for i in resumed["losses"]}}, resumed)
+
+
 def test_killed_stage_ends_the_run_naming_it(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = subprocess.run(
