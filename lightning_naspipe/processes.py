@@ -8,6 +8,12 @@ strategy collectives Lightning calls (``reduce``, ``barrier``, ``broadcast``).
 from __future__ import annotations
 
 import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -21,6 +27,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
 
 TBroadcast = TypeVar("TBroadcast")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 if TYPE_CHECKING:  # checked against one namespace's API; at run time a mixin for either (strategy.py)
     from pytorch_lightning.strategies import ParallelStrategy as _StrategyBase
@@ -108,6 +115,11 @@ class StageProcesses(_StrategyBase):
                 f"{self.world_size}; set devices x num_nodes = {stages}, or leave num_stages unset."
             )
         super().setup_environment()  # the namespace's ParallelStrategy
+        if self.local_rank > 0:
+            exit_with_parent()
+        children = list(getattr(self._launcher, "procs", None) or [])  # Lightning's popen launcher, on rank 0
+        if children:
+            atexit.register(reap, children)
         if self.world_size > 1:
             distributed = self._distributed()
             self.set_world_ranks()
@@ -140,3 +152,25 @@ class StageProcesses(_StrategyBase):
         holder = [obj]
         dist.broadcast_object_list(holder, src)
         return holder[0]
+
+
+def exit_with_parent() -> None:
+    """Have the kernel kill this process when its parent (the launching process) dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def reap(children: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """At the launching process's exit: give the stage processes ``grace_s`` to finish, then kill them
+    (a stopped or hung one included), so none outlives the run."""
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()  # SIGKILL also ends a stopped process
+            child.wait()

@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--kill-stage", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--kill-signal", type=int, default=9)
+    parser.add_argument("--timeout", type=float, default=180, help="NASPipeStrategy(timeout=...) in seconds")
     parser.add_argument("--exception-checkpoint", default=None, help="OnExceptionCheckpoint into this folder")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--schedule", default="csp")
@@ -99,7 +100,8 @@ def main() -> None:
         logging["enable_checkpointing"] = True
     trainer = pl.Trainer(**trainer_kwargs(
         strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload,
-                                    schedule=args.schedule, rebalance_every=1 if args.force_rebalance else 16),
+                                    schedule=args.schedule, timeout=args.timeout,
+                                    rebalance_every=1 if args.force_rebalance else 16),
         devices=args.devices,
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,
         **logging,

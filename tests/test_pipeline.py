@@ -217,6 +217,21 @@ def test_killed_stage_ends_the_run_naming_it(tmp_path: Path) -> None:
     assert leftovers.stdout.strip() == ""
 
 
+@pytest.mark.parametrize("stage, signum", [(1, signal.SIGSTOP), (0, signal.SIGKILL)],
+                         ids=["stage-1-stopped", "launcher-killed"])
+def test_no_stage_process_outlives_a_failed_run(tmp_path: Path, stage: int, signum: int) -> None:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "run.ckpt"), "--devices", "2",
+                           "--window", "4", "--timeout", "10", "--kill-stage", str(stage), "--kill-step", "9",
+                           "--kill-signal", str(int(signum))],
+                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    # The run ends within timeout + 10 s of the fault (plus start-up and 9 subnets) and leaves no stage
+    # process behind: a stopped one is killed by the launcher at its exit, survivors die with their parent.
+    assert _gone_within(sorted(tmp_path.glob("run.ckpt.pid*")), 2)
+    assert time.monotonic() - start < 10 + 10 + 20, proc.stderr[-2000:]
+
+
 def _free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
