@@ -41,6 +41,7 @@ def split_batch(batch: Any, chunks: int) -> list[tuple[Any, float]]:
             f"first dimensions {sorted(sizes)}; make them equal or use chunks=1."
         )
     size = sizes.pop()
+    _refuse_per_sample_values(batch, size, chunks)
     if size < chunks:
         raise NASPipeConfigError(
             f"A batch of {size} samples cannot be split into chunks={chunks} micro-batches; "
@@ -92,3 +93,22 @@ def check_batch_sizes(dataloader: object, chunks: int, modules: torch.nn.Module,
             "cannot normalise one sample in training ('Expected more than 1 value per channel'). Use "
             "DataLoader(drop_last=True), a larger batch_size, or fewer chunks."
         )
+
+
+def _refuse_per_sample_values(batch: Any, size: int, chunks: int) -> None:
+    """A list or tuple of ``size`` non-tensor values is per-sample data that splitting would not split."""
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            return
+        items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+        if isinstance(value, (list, tuple)) and len(value) == size and not any(isinstance(v, torch.Tensor)
+                                                                                for v in value):
+            raise NASPipeConfigError(
+                f"chunks={chunks} splits the batch's tensors along dim 0, but it also holds a "
+                f"{type(value).__name__} of {size} non-tensor values (one per sample?), which every micro-batch "
+                "would get whole. Put per-sample values in a tensor, or use chunks=1."
+            )
+        for item in items:
+            walk(item)
+
+    walk(batch)

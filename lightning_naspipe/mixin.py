@@ -100,6 +100,11 @@ class NASPipeMixin:
         """Logs ``test_loss`` of subnet :meth:`eval_architecture` on the batch; override for metrics."""
         return self._evaluation_step("test_loss", batch, batch_idx, dataloader_idx)
 
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """The output of subnet :meth:`eval_architecture` for the batch (``trainer.predict``); override to
+        predict with another architecture."""
+        return self.subnet_output(batch, self.eval_architecture(batch_idx, dataloader_idx))
+
     def _evaluation_step(self, name: str, batch: Any, batch_idx: int, dataloader_idx: int) -> Tensor:
         output = self.subnet_output(batch, self.eval_architecture(batch_idx, dataloader_idx))
         loss = self.compute_loss(output, batch)

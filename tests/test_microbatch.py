@@ -68,3 +68,12 @@ def test_bad_batch_sizes_fail_at_fit_start(samples: int, chunks: int, batchnorm:
         with pytest.raises(lnp.NASPipeConfigError, match=needle):
             trainer.fit(model, data)
         assert trainer.global_step == 0  # before any training
+
+
+def test_per_sample_values_outside_tensors_are_refused() -> None:
+    x = torch.arange(8.0).reshape(4, 2)
+    with pytest.raises(lnp.NASPipeConfigError, match="list of 4 non-tensor values .*chunks=1"):
+        split_batch((x, ["a", "b", "c", "d"]), 2)
+    pieces = split_batch({"x": x, "meta": ("train", 7)}, 2)  # shared values that are not per sample: kept whole
+    assert [p["meta"] for p, _ in pieces] == [("train", 7), ("train", 7)]
+

@@ -170,3 +170,14 @@ def test_nonfinite_loss_stops_naming_the_subnet_unless_allowed(strategy: str | N
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy or "auto", max_steps=12))
     trainer.fit(model, toy_loader())
     assert trainer.global_step == 12
+
+
+def test_predict_runs_the_evaluation_subnet() -> None:
+    model = ToyNet()
+    trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=2)))
+    outputs = trainer.predict(model, toy_loader(samples=16, shuffle=False))
+    batch = next(iter(toy_loader(samples=16, shuffle=False)))
+    model.eval()
+    with torch.no_grad():
+        expected = model.supernet(batch[0], model.eval_architecture(0))
+    assert len(outputs) == 2 and torch.equal(outputs[0], expected)
