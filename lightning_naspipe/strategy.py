@@ -9,11 +9,10 @@ group is gloo on CPU and NCCL on CUDA.
 
 from __future__ import annotations
 
-import types
 import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -21,20 +20,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.arguments import check_all
+from lightning_naspipe.binding import NamespaceBinding, bind_classes
 from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.checkpoint_io import atomic_checkpoint_io
 from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.microbatch import check_batch_sizes
 from lightning_naspipe.mixin import NASPipeMixin
-from lightning_naspipe.namespaces import Namespace, installed, namespace_of
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import block_weights, stage_ranges, tied_cuts
 from lightning_naspipe.placement import move_blocks, place_module, rebalanced
 from lightning_naspipe.preemption import SigtermAgreement
-from lightning_naspipe.processes import StageProcesses
 from lightning_naspipe.progress import count_subnets
 from lightning_naspipe.stage_table import chunks_hint, stage_table
 from lightning_naspipe.supernet import supernet_of
@@ -48,7 +45,7 @@ from lightning_naspipe.transport import P2PTransport
 _SYNC_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
 
-class NASPipeStrategy(StageProcesses):
+class NASPipeStrategy(NamespaceBinding):
     """Trains a NASPipe supernet with causal-synchronous-parallel (CSP) pipelining.
 
     Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
@@ -110,8 +107,6 @@ class NASPipeStrategy(StageProcesses):
     """
 
     strategy_name = "naspipe"
-    # None until a Trainer (or a plugin passed in) tells which Lightning namespace this instance serves.
-    _namespace: ClassVar[Namespace | None] = None  # type: ignore[misc]
 
     def __init__(
         self,
@@ -139,17 +134,9 @@ class NASPipeStrategy(StageProcesses):
             rebalance_every=rebalance_every, offload=offload, offload_budget_bytes=offload_budget_bytes,
             telemetry=telemetry, trace_dir=trace_dir, timeout=timeout, process_group_backend=process_group_backend,
             start_method=start_method))
-        self._plugins = {"accelerator": accelerator, "parallel_devices": parallel_devices,
-                         "cluster_environment": cluster_environment, "checkpoint_io": checkpoint_io,
-                         "precision_plugin": precision_plugin}
-        if self._namespace is not None:
-            super().__init__(**self._plugins)  # the namespace's ParallelStrategy
-        else:  # unbound: what the Trainer's connector reads before it sets the accelerator
-            self._accelerator, self._precision_plugin = accelerator, precision_plugin
-            self._checkpoint_io = checkpoint_io
-            self.cluster_environment, self.parallel_devices = cluster_environment, parallel_devices
-            for plugin in self._plugins.values():
-                self._bind(namespace_of(plugin))
+        self._init_plugins(accelerator=accelerator, parallel_devices=parallel_devices,
+                           cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                           precision_plugin=precision_plugin)
         self.window = window
         self.chunks = chunks
         self.num_stages = num_stages
@@ -172,46 +159,6 @@ class NASPipeStrategy(StageProcesses):
         self._split_costs: tuple[list[float], str] = ([], "params")
         self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
-
-    # -- binding to a namespace -------------------------------------------------------------
-
-    @property
-    @override
-    def checkpoint_io(self) -> Any:
-        assert self._namespace is not None, "bound by the Trainer"
-        wrapping = self._namespace.pytorch_module("plugins.io.wrapper")._WrappingCheckpointIO
-        if self._checkpoint_io is None:  # the default: Lightning's format, written crash-safe
-            self._checkpoint_io = atomic_checkpoint_io(self._namespace)
-        elif isinstance(self._checkpoint_io, wrapping) and self._checkpoint_io.checkpoint_io is None:
-            self._checkpoint_io.checkpoint_io = atomic_checkpoint_io(self._namespace)  # e.g. AsyncCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Any) -> None:
-        self._checkpoint_io = io
-
-    @property
-    def accelerator(self) -> Any:
-        return self._accelerator
-
-    @accelerator.setter
-    def accelerator(self, accelerator: Any) -> None:
-        # The Trainer sets the accelerator first: that is when an unbound strategy learns its namespace.
-        self._bind(namespace_of(accelerator))
-        self._accelerator = accelerator
-
-    def _bind(self, namespace: Namespace | None) -> None:
-        """Become the ``namespace``'s NASPipe strategy (see :mod:`.namespaces`), or check that it already is."""
-        if namespace is None or namespace is self._namespace:
-            return
-        if self._namespace is not None:
-            raise NASPipeConfigError(
-                f"This NASPipeStrategy belongs to {self._namespace.name} (a Trainer or plugin of it bound it), so it "
-                f"cannot serve {namespace.name}. Create a new NASPipeStrategy(...) for each Trainer, and do not mix "
-                "lightning.pytorch and pytorch_lightning objects in one Trainer."
-            )
-        self.__class__ = _BOUND[namespace.name]
-        namespace.parallel_strategy.__init__(self, **self._plugins)
 
     @override
     def connect(self, model: Any) -> None:
@@ -238,10 +185,6 @@ class NASPipeStrategy(StageProcesses):
     def _trainer(self) -> Any:
         assert self.lightning_module is not None, "the strategy is connected to a module"
         return self.lightning_module.trainer
-
-    def _info(self, message: str) -> None:
-        assert self._namespace is not None
-        self._namespace.pytorch.utilities.rank_zero_info(message)
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -454,22 +397,5 @@ class NASPipeStrategy(StageProcesses):
 
 
 
-# One bound class per installed namespace, e.g. ``PytorchLightningNASPipeStrategy``: the body above on
-# that namespace's ParallelStrategy. An instance of the unbound class becomes one of these when a
-# Trainer takes it; ``strategy="naspipe"`` builds one directly. Module-level names, so they pickle.
-_BOUND: dict[str, type[NASPipeStrategy]] = {}
 
-
-def _bound_class(namespace: Namespace) -> type[NASPipeStrategy]:
-    name = {"lightning.pytorch": "LightningNASPipeStrategy"}.get(namespace.name, "PytorchLightningNASPipeStrategy")
-    body = {"_namespace": namespace, "__module__": __name__, "__doc__": f"NASPipeStrategy bound to {namespace.name}."}
-    bound: type[NASPipeStrategy] = types.new_class(name, (NASPipeStrategy, namespace.parallel_strategy),
-                                                   exec_body=lambda ns: ns.update(body))
-    globals()[name] = bound
-    return bound
-
-
-for _namespace in installed():
-    _BOUND[_namespace.name] = _bound_class(_namespace)
-    _namespace.parallel_strategy.register(NASPipeStrategy)  # Trainers of either namespace accept an unbound instance
-    _BOUND[_namespace.name].register_strategies(_namespace.pytorch.strategies.StrategyRegistry)
+bind_classes(NASPipeStrategy)
