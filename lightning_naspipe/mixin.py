@@ -40,7 +40,8 @@ class NASPipeMixin:
             to ``pl.seed_everything`` (``PL_GLOBAL_SEED``), else 0. Set it in ``__init__`` to fix it.
         supernet_example_input: optional; what the first block receives for one subnet batch
             (``pipeline_input(batch)``), e.g. ``torch.zeros(32, 3, 32, 32)``. When set, the pipeline
-            stages are balanced by each block's measured time on it instead of by parameter counts.
+            stages are balanced by each block's measured time on it (before the run) instead of on
+            the first training batch.
         naspipe_allow_nonfinite_loss: by default a NaN or infinite training loss stops the run with a
             ``FloatingPointError`` naming the subnet and its architecture; set True to train on.
     """

@@ -1,11 +1,11 @@
 """Splitting the supernet's blocks into contiguous pipeline stages.
 
-With an example input (the mixin's ``supernet_example_input``) the split balances *measured*
-forward + backward time per block (:func:`.block_timing.timed_block_weights`). Without one it balances the
+The strategy's default split balances *measured* forward + backward time per block
+(:func:`.block_timing.timed_block_weights`), timed on the mixin's ``supernet_example_input`` or else
+on the first training batch. Until that timing, and as the fallback, the split balances the
 *expected parameter count per subnet*: a fixed block counts its parameters, a choice block the
 mean over its candidates (what one subnet runs there), and every block counts at least 1 so
-parameter-free blocks still spread. Parameters are a poor proxy for convolutions at high
-resolution and for attention, so give an example input or pass ``balance`` explicitly.
+parameter-free blocks still spread. An explicit ``balance`` overrides both.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class NASPipeStrategy(NamespaceBinding):
             ``naspipe_timeline.png`` to this folder (implies ``telemetry``).
         timeout: how long a stage waits for a neighbour or a collective before it declares
             that stage lost and fails the run; a number is seconds.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device type.
+        process_group_backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default: gloo on CPU, NCCL on CUDA.
         start_method: ``"popen"`` (re-run the script per process, Lightning's default) or
             ``"spawn"``/``"fork"``/``"forkserver"`` (multiprocessing, e.g. for notebooks).
         accelerator: set by the Trainer.
