@@ -6,6 +6,8 @@ It works with the LightningModule of either namespace (``lightning.pytorch`` or 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
@@ -186,8 +188,7 @@ class NASPipeMixin:
 
     def _batch_size(self, batch: Any) -> int:
         """Lightning's inference of ``batch``'s size, from this module's own namespace."""
-        namespace = namespace_of(self) or installed()[0]
-        return int(namespace.pytorch_module("utilities.data").extract_batch_size(batch))
+        return int(_extract_batch_size(type(self))(batch))  # type: ignore[arg-type]  # classes hash
 
     def _check_callback(self, trainer: Any) -> None:
         if self.__dict__.get("_naspipe_checked_trainer") == id(trainer):
@@ -208,3 +209,10 @@ class NASPipeMixin:
 
     def _supernet(self) -> Supernet:
         return supernet_of(self)
+
+
+@cache
+def _extract_batch_size(module_class: type) -> Callable[[Any], int]:
+    # Once per class: the namespace lookup walks the MRO, and this runs for every subnet.
+    namespace = namespace_of(module_class) or installed()[0]
+    return namespace.pytorch_module("utilities.data").extract_batch_size  # type: ignore[no-any-return]
