@@ -15,6 +15,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import installed
 from lightning_naspipe.optim import step_schedulers
 from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.transport import StageFailure
 
 CHECKPOINT_KEY = "naspipe"
 
@@ -96,6 +97,14 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 f"The optimizer holds parameters outside self.supernet ({outside[:3]}...); NASPipe only trains "
                 "supernet blocks. Move those modules into a Supernet block (a fixed block is fine)."
             )
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Post the error before any exception callback may block, so a stage that lost this one
+        # (rank 0 above all, the process the user watches) names the cause, not just the silence.
+        engine = getattr(trainer.strategy, "engine", None)
+        failures = getattr(getattr(engine, "transport", None), "failures", None)
+        if failures is not None and not isinstance(exception, StageFailure):
+            failures.post(exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         step_schedulers(trainer.lr_scheduler_configs, "epoch", trainer.current_epoch + 1, trainer.callback_metrics)

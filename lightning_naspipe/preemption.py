@@ -1,18 +1,24 @@
-"""SIGTERM (preemption, a scheduler's cancel) on any or all stages: the stages agree, then stop together.
+"""Preemption signals on any or all stages: the stages agree at a window boundary, then act together.
 
 Lightning's SIGTERM handler broadcasts from inside the signal handler, on whichever rank got the
-signal, which collides with the pipeline's own traffic: the run hung until ``timeout`` and wrote no
-checkpoint. Under NASPipe the handler only records the signal. At each window boundary, where
-Lightning would broadcast rank 0's flag, the stages all-reduce theirs instead (one collective, as
-before), so a signal to any stage stops every stage at the same boundary: ``received_sigterm`` is
-set and Lightning's ``SIGTERMException`` raised everywhere, Lightning's exception callbacks run
-(``OnExceptionCheckpoint`` writes a checkpoint that resumes bitwise) and every process exits.
+signal, and its SLURM requeue handler (``SIGUSR1`` by default) saves a checkpoint there, a
+collective. Both collide with the pipeline's own traffic: the run hung until ``timeout`` and wrote
+no checkpoint. Under NASPipe the handlers only record the signal. At each window boundary, where
+Lightning would broadcast rank 0's SIGTERM flag, the stages all-reduce their flags instead (one
+collective, as before), so a signal to any stage acts on every stage at the same boundary:
+
+* SIGTERM: ``received_sigterm`` is set and Lightning's ``SIGTERMException`` raised everywhere,
+  Lightning's exception callbacks run (``OnExceptionCheckpoint`` writes a checkpoint that resumes
+  bitwise) and every process exits.
+* The requeue signal: Lightning's own requeue handler runs on every stage there (the HPC checkpoint,
+  then ``scontrol requeue`` on rank 0), and training goes on.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -23,42 +29,71 @@ from lightning_naspipe.namespaces import Namespace
 
 __all__ = ["SigtermAgreement"]
 
+_Handler = Callable[[int, FrameType | None], Any]
+
 
 class SigtermAgreement:
     """Installed on every stage of a multi-stage fit by the strategy (``on_train_start``).
 
     Args:
         namespace: the Trainer's namespace (for its ``SIGTERMException``).
-        device: where the flag is reduced (the stage's device: NCCL reduces device tensors).
+        device: where the flags are reduced (the stage's device: NCCL reduces device tensors).
     """
 
     def __init__(self, namespace: Namespace, device: torch.device) -> None:
         self.namespace = namespace
         self.device = device
         self.requested = False
+        #: The requeue signal arrived; Lightning's requeue handler waits for the next boundary.
+        self.requeue_requested = False
+        self._requeue: _Handler | None = None
+        self._requeue_signum = 0
 
     def install(self, trainer: Any) -> None:
-        """Replace Lightning's SIGTERM handler and its per-batch broadcast (private Lightning APIs)."""
+        """Replace Lightning's signal handlers and its per-batch broadcast (private Lightning APIs)."""
         connector = trainer._signal_connector
         if threading.current_thread() is threading.main_thread():
-            current = signal.getsignal(signal.SIGTERM)
-            # Lightning composes its notifier (the broadcast) with the handlers found before it: keep those.
-            kept = [h for h in getattr(current, "signal_handlers", [current]) if h != connector._sigterm_notifier_fn]
-
-            def record(signum: int, frame: FrameType | None) -> None:
-                self.requested = True
-                for handler in kept:
-                    handler = signal.getsignal(handler) if isinstance(handler, int) else handler
-                    if callable(handler):
-                        handler(signum, frame)
-
-            signal.signal(signal.SIGTERM, record)
+            self._defer(signal.SIGTERM, connector._sigterm_notifier_fn, self._note_sigterm, always=True)
+            environment = trainer._accelerator_connector.cluster_environment
+            signum = getattr(environment, "requeue_signal", None) or signal.SIGUSR1
+            if self._defer(signum, connector._slurm_sigusr_handler_fn, self._note_requeue):
+                self._requeue, self._requeue_signum = connector._slurm_sigusr_handler_fn, int(signum)
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: self.agree(trainer)
 
+    def _note_sigterm(self) -> None:
+        self.requested = True
+
+    def _note_requeue(self) -> None:
+        self.requeue_requested = True
+
+    def _defer(self, signum: int, deferred: _Handler, note: Callable[[], None], always: bool = False) -> bool:
+        """Make ``signum`` call ``note`` instead of ``deferred``; the other handlers still run at once.
+        Returns whether the handler was replaced (only where ``deferred`` is installed, unless ``always``)."""
+        current = signal.getsignal(signum)
+        # Lightning composes its handler with the ones found before it: keep those.
+        handlers = list(getattr(current, "signal_handlers", [current]))
+        kept = [h for h in handlers if h != deferred]
+        if len(kept) == len(handlers) and not always:
+            return False
+
+        def record(received: int, frame: FrameType | None) -> None:
+            note()
+            for handler in kept:
+                handler = signal.getsignal(handler) if isinstance(handler, int) else handler
+                if callable(handler):
+                    handler(received, frame)
+
+        signal.signal(signum, record)
+        return True
+
     def agree(self, trainer: Any) -> None:
-        """Collective, at a window boundary: stop every stage if any stage got SIGTERM."""
-        flag = torch.tensor([1 if self.requested else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        """Collective, at a window boundary: act on a signal that any stage got."""
+        flags = torch.tensor([int(self.requested), int(self.requeue_requested)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        terminate, requeue = (bool(v) for v in flags.tolist())
+        if requeue and self._requeue is not None:
+            self.requeue_requested = False
+            self._requeue(self._requeue_signum, None)  # every stage here: its checkpoint save is collective
+        if terminate:
             trainer._signal_connector.received_sigterm = True
             raise self.namespace.pytorch_module("utilities.exceptions").SIGTERMException()

@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_naspipe import wire as wire_format
 from lightning_naspipe.boundary import map_tensors
 from lightning_naspipe.distributed import broadcast_object
+from lightning_naspipe.failures import FailureBoard, default_store
 from lightning_naspipe.schedule import Schedule
 from lightning_naspipe.stage_table import describe
 
@@ -64,6 +65,10 @@ class P2PTransport:
         self.wait_s = 0.0
         #: What the first activation this stage sent looked like (see :func:`.stage_table.describe`).
         self.first_activation: str | None = None
+        stage_of_rank = {rank: s for s, rank in enumerate(self.ranks)}
+        #: Where a failing stage posts its error, so that the others (rank 0 above all) can name it.
+        self.failures = FailureBoard(default_store(), self.ranks[stage],
+                                     [stage_of_rank.get(r, -1) for r in range(max(self.ranks) + 1)])
 
     def begin_window(self, schedule: Schedule) -> None:
         """Learn the order in which the neighbours will send during this window."""
@@ -164,7 +169,7 @@ class P2PTransport:
         try:
             work = dist.irecv(tensor, src)
         except RuntimeError as error:
-            raise _lost(stage, src, error) from error
+            raise self._lost(stage, src, error) from error
         start = time.perf_counter()
         self._wait(work, f"receive from stage {stage} (rank {src})", stage=stage, rank=src)
         end = time.perf_counter()
@@ -178,17 +183,17 @@ class P2PTransport:
         except RuntimeError as error:
             if stage is None:
                 raise StageFailure(f"stage {self.stage} could not {what}: a neighbouring stage failed or exited "
-                                   f"({error}).") from error
-            raise _lost(stage, rank, error) from error
+                                   f"({error}).{self._cause()}") from error
+            raise self._lost(stage, rank, error) from error
+
+    def _lost(self, stage: int, rank: int | None, error: BaseException) -> StageFailure:
+        return StageFailure(f"Pipeline stage {stage} (rank {rank}) failed or exited: it stopped sending ({error})."
+                            + (self._cause() or " See that stage's own error output for the cause."))
+
+    def _cause(self) -> str:
+        causes = self.failures.causes()
+        return "".join(f"\n{cause}" for cause in causes)
 
     def _wire_device(self) -> torch.device:
         # NCCL moves only device tensors; gloo only host ones.
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-
-def _lost(stage: int, rank: int | None, error: BaseException) -> StageFailure:
-    return StageFailure(
-        f"Pipeline stage {stage} (rank {rank}) failed or exited: it stopped sending ({error}). "
-        "See that stage's own error output for the cause."
-    )

@@ -24,8 +24,8 @@ CSVLogger = pl.loggers.CSVLogger
 
 
 class Killer(pl.Callback):
-    """Sends ``signum`` to this process (9: as if it crashed hard; 15: preemption) once its stage
-    (or every stage, for stage -2) reaches a given step."""
+    """Sends ``signum`` to this process (9: as if it crashed hard; 15: preemption; 0: raise an error
+    instead, as a bug in user code would) once its stage (or every stage, for stage -2) reaches a given step."""
 
     def __init__(self, stage: int, step: int, signum: int) -> None:
         self.stage, self.step, self.signum, self.sent = stage, step, signum, False
@@ -33,6 +33,8 @@ class Killer(pl.Callback):
     def on_train_batch_start(self, trainer: object, *args: object) -> None:
         if self.stage in (-2, trainer.global_rank) and trainer.global_step >= self.step and not self.sent:
             self.sent = True
+            if self.signum == 0:
+                raise ValueError(f"injected failure on rank {trainer.global_rank}")
             os.kill(os.getpid(), self.signum)
 
 

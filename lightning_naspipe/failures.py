@@ -1,0 +1,77 @@
+"""Telling every stage why the pipeline stopped.
+
+A stage that raises ends its process; its neighbours only see a link go quiet and raise
+:class:`~.transport.StageFailure`. Rank 0 is the process the user watches, so the failing stage
+posts its error to the process group's key-value store (held by rank 0 under Lightning's
+launchers and torchrun) and a stage that loses a neighbour reads the posts before it raises.
+Everything here is best effort: a store that cannot be reached only loses the explanation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+_PREFIX = "lightning_naspipe/failed"
+# Every stage process builds its transports in the same order, so the n-th board of each process
+# belongs to the same run and a later fit never reads an earlier one's posts.
+_boards = itertools.count()
+
+
+def default_store() -> Any:
+    """The default process group's store, or ``None`` (private torch API; see docs/design.md)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None and dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+class FailureBoard:
+    """Posts and reads the errors that stopped stage processes, keyed by rank.
+
+    Args:
+        store: a ``torch.distributed.Store`` every stage process reaches, or ``None`` (posts are dropped).
+        rank: this process's rank.
+        stage_of_rank: each rank's stage.
+    """
+
+    def __init__(self, store: Any, rank: int, stage_of_rank: Sequence[int]) -> None:
+        self.store = store
+        self.rank = rank
+        self.stage_of_rank = list(stage_of_rank)
+        self._key = f"{_PREFIX}/{next(_boards)}"
+        self.posted = False
+
+    def post(self, error: BaseException) -> None:
+        """Record that ``error`` stopped this stage (the first error only)."""
+        if self.store is None or self.posted:
+            return
+        self.posted = True
+        text = f"{type(error).__name__}: {error}".strip()
+        try:
+            self.store.set(f"{self._key}/{self.rank}", text[:4000])
+        except Exception:  # noqa: BLE001 - the store's host may be gone too; the explanation is optional
+            pass
+
+    def causes(self, wait_s: float = 1.0) -> list[str]:
+        """What other stages posted, waiting up to ``wait_s`` for a first post (it may be on its way)."""
+        if self.store is None:
+            return []
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = []
+            for rank, stage in enumerate(self.stage_of_rank):
+                key = f"{self._key}/{rank}"
+                try:
+                    if rank != self.rank and self.store.check([key]):
+                        found.append(f"Pipeline stage {stage} (rank {rank}) raised {self.store.get(key).decode()}")
+                except Exception:  # noqa: BLE001 - unreachable store: no explanation
+                    return found
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
