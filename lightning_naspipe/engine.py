@@ -20,7 +20,8 @@ from typing import Any, Protocol
 from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import resource_parameters, restrict_param_groups, step_schedulers
-from lightning_naspipe.offload import Offloader, WindowResidency, memory_conflicts
+from lightning_naspipe.offload import Offloader
+from lightning_naspipe.residency import WindowResidency, memory_conflicts
 from lightning_naspipe.schedule import (
     FORWARD,
     SCHEDULES,
@@ -98,7 +99,7 @@ class Engine:
         schedule: one of :data:`SCHEDULES` (see :func:`scheduling_resources`).
         offloader: keeps this stage's resources in host memory between uses (``offload=True``).
         memory_budget: ``(bytes, per-stage resource sizes)``: schedule so that each stage's in-flight
-            resources fit (see :func:`~.offload.memory_conflicts`); the same on every stage process.
+            resources fit (see :func:`~.residency.memory_conflicts`); the same on every stage process.
         telemetry: records this stage's timeline (busy, waiting, drain, in-flight depth).
     """
 
