@@ -15,7 +15,6 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import installed
 from lightning_naspipe.optim import step_schedulers
 from lightning_naspipe.supernet import supernet_of
-from lightning_naspipe.transport import StageFailure
 
 CHECKPOINT_KEY = "naspipe"
 
@@ -103,7 +102,7 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         # (rank 0 above all, the process the user watches) names the cause, not just the silence.
         engine = getattr(trainer.strategy, "engine", None)
         failures = getattr(getattr(engine, "transport", None), "failures", None)
-        if failures is not None and not isinstance(exception, StageFailure):
+        if failures is not None:
             failures.post(exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:

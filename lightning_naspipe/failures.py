@@ -72,6 +72,12 @@ class FailureBoard:
                         found.append(f"Pipeline stage {stage} (rank {rank}) raised {self.store.get(key).decode()}")
                 except Exception:  # noqa: BLE001 - unreachable store: no explanation
                     return found
-            if found or time.monotonic() >= deadline:
-                return found
+            # A stage that only lost a neighbour posts that too: it is the explanation only when no
+            # stage posted an error of its own (e.g. for a stage resumed after SIGSTOP, whose
+            # neighbours gave up on it).
+            primary = [cause for cause in found if " raised StageFailure: " not in cause]
+            if primary or (found and time.monotonic() >= deadline):
+                return primary or found
+            if time.monotonic() >= deadline:
+                return []
             time.sleep(0.05)

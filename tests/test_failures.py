@@ -7,6 +7,7 @@ import time
 import torch.distributed as dist
 
 from lightning_naspipe.failures import FailureBoard
+from lightning_naspipe.transport import StageFailure
 
 
 class _UnreachableStore:
@@ -52,3 +53,13 @@ def test_boards_of_a_later_run_do_not_see_an_earlier_runs_posts() -> None:
     earlier[1].post(ValueError("from the first fit"))
     later = _boards(store, [0, 1])
     assert later[0].causes(wait_s=0) == []
+
+
+def test_an_own_error_is_the_cause_and_a_lost_neighbour_only_when_no_stage_posted_one() -> None:
+    boards = _boards(dist.HashStore(), [0, 1, 2])
+    boards[0].post(StageFailure("Pipeline stage 1 (rank 1) failed or exited: it stopped sending (timeout)."))
+    assert boards[1].causes(wait_s=0.1) == [
+        "Pipeline stage 0 (rank 0) raised StageFailure: Pipeline stage 1 (rank 1) failed or exited: it stopped "
+        "sending (timeout)."]
+    boards[2].post(ValueError("boom"))
+    assert boards[1].causes(wait_s=0) == ["Pipeline stage 2 (rank 2) raised ValueError: boom"]
