@@ -8,10 +8,13 @@ from lightning_naspipe.callback import NASPipeCallback
 from lightning_naspipe.cells import Cell, Zero
 from lightning_naspipe.choice import InputChoice, When
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.export import load_subnet, save_subnet
+from lightning_naspipe.freezing import recalibrate_batchnorm
 from lightning_naspipe.mixin import NASPipeMixin
 from lightning_naspipe.strategy import NASPipeStrategy
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
 
 __all__ = ["Cell", "ChoiceBlock", "InputChoice", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin",
-           "NASPipeStrategy", "Supernet", "When", "Zero"]
+           "NASPipeStrategy", "Supernet", "When", "Zero", "load_subnet", "recalibrate_batchnorm",
+           "save_subnet"]
 __version__ = "0.1.0"

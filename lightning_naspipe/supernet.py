@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_naspipe.choice import Architecture, ChoiceBlock, Scope, When, active_architecture, block_scope
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.freezing import freeze
 
 __all__ = ["Architecture", "ChoiceBlock", "Resource", "ResourceState", "Supernet"]
 
@@ -208,6 +209,25 @@ class Supernet(nn.Module):
     def resource_blocks(self, resource: Resource) -> list[int]:
         """The blocks whose scopes make up ``resource`` (several when a tensor is tied across blocks)."""
         return self._blocks_of[resource]
+
+    def freeze(self, architecture: Mapping[str, int], reinitialize: bool = False) -> nn.Sequential:
+        """A standalone copy of subnet ``architecture``: its blocks with the chosen weights only.
+
+        Every choice is replaced by its chosen candidate (and every :class:`~.choice.When` by its body
+        or by nothing), so it runs without an active architecture; weights tied within the subnet stay
+        tied, and the supernet is left untouched. In eval mode its output equals
+        ``self(x, architecture)`` bitwise. Save it with :func:`lightning_naspipe.save_subnet` for use
+        without this library.
+
+        Args:
+            architecture: the subnet, ``dict[label, candidate index]``.
+            reinitialize: reset every module's parameters (``reset_parameters``) to train the
+                architecture from scratch, instead of keeping the supernet's trained weights.
+
+        Returns:
+            ``nn.Sequential`` of the blocks, in this supernet's train/eval mode.
+        """
+        return freeze(self, architecture, reinitialize)
 
     def forward(self, x: object, architecture: Mapping[str, int]) -> object:
         """Run the whole subnet ``architecture`` on ``x`` (no keyed randomness; for inference)."""
