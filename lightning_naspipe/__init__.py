@@ -11,10 +11,12 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.export import load_subnet, save_subnet
 from lightning_naspipe.freezing import recalibrate_batchnorm
 from lightning_naspipe.mixin import NASPipeMixin
+from lightning_naspipe.search_loop import SearchResult, search
+from lightning_naspipe.searchers import EvolutionSearch, GridSearch, RandomSearch
 from lightning_naspipe.strategy import NASPipeStrategy
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
 
-__all__ = ["Cell", "ChoiceBlock", "InputChoice", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin",
-           "NASPipeStrategy", "Supernet", "When", "Zero", "load_subnet", "recalibrate_batchnorm",
-           "save_subnet"]
+__all__ = ["Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch", "InputChoice", "NASPipeCallback",
+           "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "SearchResult", "Supernet",
+           "When", "Zero", "load_subnet", "recalibrate_batchnorm", "save_subnet", "search"]
 __version__ = "0.1.0"

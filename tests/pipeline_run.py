@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--exception-checkpoint", default=None, help="OnExceptionCheckpoint into this folder")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--schedule", default="csp")
+    parser.add_argument("--search", action="store_true", help="after fit: lnp.search, history to OUT.search{rank}")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
     parser.add_argument("--fake-block-costs", type=float, nargs="+", default=None,
@@ -120,6 +121,14 @@ def main() -> None:
     torch.save(trainer.strategy.stage_ranges, f"{args.out}.ranges{trainer.global_rank}")
     if trainer.global_rank == 0:
         torch.save(model.losses, args.out + ".losses")
+    if args.search:
+        result = lnp.search(trainer, model, SEARCHER, toy_loader(samples=40, shuffle=False),
+                            calibration=toy_loader(samples=16, shuffle=False))
+        torch.save(result.history, f"{args.out}.search{trainer.global_rank}")
+
+
+#: The search the multi-stage search test runs, here and on one device.
+SEARCHER = lnp.EvolutionSearch(population=4, sample_size=2, cycles=5, seed=3)
 
 
 if __name__ == "__main__":

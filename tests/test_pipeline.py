@@ -294,3 +294,14 @@ def test_slurm_requeue_signal_saves_at_a_window_boundary_and_training_goes_on(tm
     assert stopped_at in (12, 16)  # the window after the signal arrived, not its middle
     resumed = _state(_launch(tmp_path, "--devices", "2", "--window", "4", "--resume", str(saved), name="resumed"))
     assert_same_state({**plain, "losses": {i: plain["losses"][i] for i in resumed["losses"]}}, resumed)
+
+
+def test_search_after_a_pipelined_fit_equals_the_one_device_search(tmp_path: Path) -> None:
+    from pipeline_run import SEARCHER
+
+    out = _launch(tmp_path, "--devices", "2", "--window", "8", "--search")
+    model, trainer = train(max_epochs=2)
+    expected = lnp.search(trainer, model, SEARCHER, toy_loader(samples=40, shuffle=False),
+                          calibration=toy_loader(samples=16, shuffle=False)).history
+    for rank in range(2):  # the same records, scores bit for bit, on every stage
+        assert torch.load(f"{out}.search{rank}", weights_only=False) == expected

@@ -1,0 +1,203 @@
+"""Searchers: which architectures to evaluate next, as a pure function of what was evaluated.
+
+A searcher never keeps state between calls: :meth:`Searcher.propose` sees the whole history (in
+evaluation order) and returns the next architectures, drawing randomness only from
+``random.Random(f"{seed}:...")`` streams keyed by what it is deciding. So the same seed and the
+same scores give the same search on any number of processes, and a search resumed from its log
+proposes exactly what the uninterrupted one would have.
+
+Ties between equal scores go to the earlier evaluation (lower index), everywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from lightning_naspipe.choice import Architecture
+from lightning_naspipe.errors import NASPipeConfigError
+
+__all__ = ["EvolutionSearch", "GridSearch", "RandomSearch", "Record", "Searcher"]
+
+#: Tries per wanted architecture before a constraint counts as impossible to meet.
+MAX_TRIES = 1000
+
+
+@dataclass(frozen=True)
+class Record:
+    """One evaluated architecture.
+
+    Attributes:
+        index: its position in the evaluation order (0, 1, ...).
+        architecture: the subnet.
+        score: its score (see :func:`lightning_naspipe.search`).
+        params: parameters of the frozen subnet.
+        flops: floating-point operations of one forward of the frozen subnet on the first batch.
+    """
+
+    index: int
+    architecture: Architecture
+    score: float
+    params: int
+    flops: int
+
+
+class Searcher(Protocol):
+    """What :func:`lightning_naspipe.search` asks a searcher."""
+
+    def propose(self, labels: Mapping[str, int], history: Sequence[Record],
+                feasible: Callable[[Architecture], bool], maximize: bool) -> list[Architecture]:
+        """The next architectures to evaluate (``[]``: the search is over).
+
+        Args:
+            labels: the space: label -> candidate count.
+            history: every record so far, in evaluation order.
+            feasible: whether an architecture meets the search's constraints.
+            maximize: whether higher scores are better.
+        """
+        ...
+
+
+def ranking_key(record: Record, maximize: bool) -> tuple[float, int]:
+    """Sorts best first; equal scores: the earlier evaluation first."""
+    return (-record.score if maximize else record.score, record.index)
+
+
+def _draw(labels: Mapping[str, int], rng: random.Random) -> Architecture:
+    return {label: rng.randrange(count) for label, count in labels.items()}
+
+
+def _key(architecture: Architecture) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(architecture.items()))
+
+
+def _sample_new(labels: Mapping[str, int], seed: str, feasible: Callable[[Architecture], bool],
+                seen: set[tuple[tuple[str, int], ...]]) -> Architecture:
+    """A feasible architecture not in ``seen``, from the stream ``seed``."""
+    for attempt in range(MAX_TRIES):
+        architecture = _draw(labels, random.Random(f"{seed}:{attempt}"))
+        if _key(architecture) not in seen and feasible(architecture):
+            seen.add(_key(architecture))
+            return architecture
+    raise NASPipeConfigError(
+        f"No new architecture met the search's constraints in {MAX_TRIES} random draws: loosen max_params, "
+        "max_flops or the constraint function, or ask for fewer samples than the space holds."
+    )
+
+
+@dataclass(frozen=True)
+class RandomSearch:
+    """``samples`` distinct architectures, uniform at random among the feasible ones.
+
+    Args:
+        samples: how many architectures to evaluate.
+        seed: the draw's seed.
+    """
+
+    samples: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, samples=self.samples)
+
+    def propose(self, labels: Mapping[str, int], history: Sequence[Record],
+                feasible: Callable[[Architecture], bool], maximize: bool) -> list[Architecture]:
+        size = math.prod(labels.values())
+        if self.samples > size:
+            raise NASPipeConfigError(
+                f"RandomSearch(samples={self.samples}): the space holds only {size} architectures; ask for fewer "
+                "samples than the space holds, or use GridSearch() to evaluate all of them."
+            )
+        seen = {_key(r.architecture) for r in history}
+        return [_sample_new(labels, f"{self.seed}:random:{k}", feasible, seen)
+                for k in range(len(history), self.samples)]
+
+
+@dataclass(frozen=True)
+class GridSearch:
+    """Every feasible architecture of a small space, in ``itertools.product`` order of the labels.
+
+    Args:
+        limit: refuse spaces with more architectures than this.
+    """
+
+    limit: int = 10_000
+
+    def propose(self, labels: Mapping[str, int], history: Sequence[Record],
+                feasible: Callable[[Architecture], bool], maximize: bool) -> list[Architecture]:
+        size = math.prod(labels.values())
+        if size > self.limit:
+            raise NASPipeConfigError(
+                f"GridSearch: the space holds {size} architectures, more than limit={self.limit}; use "
+                "RandomSearch or EvolutionSearch, or raise the limit."
+            )
+        if history:
+            return []
+        every = (dict(zip(labels, values)) for values in itertools.product(*(range(n) for n in labels.values())))
+        return [a for a in every if feasible(a)]
+
+
+@dataclass(frozen=True)
+class EvolutionSearch:
+    """Regularized (aging) evolution (Real et al., 2019): tournament selection, mutation, oldest out.
+
+    First ``population`` random architectures (as :class:`RandomSearch`). Then each of ``cycles``
+    cycles samples ``sample_size`` members of the population (the ``population`` most recent
+    evaluations), mutates the best of them in one label to another candidate, and evaluates the
+    child, which replaces the oldest member. A child equal to an earlier architecture is not
+    evaluated again: its earlier score is reused.
+
+    Args:
+        population: population size.
+        sample_size: tournament size, ``1 <= sample_size <= population``.
+        cycles: how many children to evaluate.
+        seed: the search's seed.
+    """
+
+    population: int
+    sample_size: int
+    cycles: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, population=self.population, sample_size=self.sample_size)
+        if self.sample_size > self.population or self.cycles < 0:
+            raise NASPipeConfigError(
+                f"EvolutionSearch(population={self.population}, sample_size={self.sample_size}, cycles={self.cycles})"
+                ": sample_size must be at most population, and cycles at least 0."
+            )
+
+    def propose(self, labels: Mapping[str, int], history: Sequence[Record],
+                feasible: Callable[[Architecture], bool], maximize: bool) -> list[Architecture]:
+        if len(history) < self.population:
+            seen = {_key(r.architecture) for r in history}
+            return [_sample_new(labels, f"{self.seed}:random:{k}", feasible, seen)
+                    for k in range(len(history), self.population)]
+        cycle = len(history) - self.population
+        if cycle >= self.cycles:
+            return []
+        members = list(history[-self.population:])
+        mutable = [label for label, count in labels.items() if count > 1]
+        for attempt in range(MAX_TRIES):
+            rng = random.Random(f"{self.seed}:cycle:{cycle}:{attempt}")
+            parent = min(rng.sample(members, self.sample_size), key=lambda r: ranking_key(r, maximize))
+            child = dict(parent.architecture)
+            if mutable:
+                label = rng.choice(mutable)
+                child[label] = rng.choice([v for v in range(labels[label]) if v != child[label]])
+            if feasible(child):
+                return [child]
+        raise NASPipeConfigError(
+            f"EvolutionSearch: no mutation of the population met the search's constraints in {MAX_TRIES} tries; "
+            "loosen max_params, max_flops or the constraint function."
+        )
+
+
+def _check_positive(searcher: object, **values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise NASPipeConfigError(f"{type(searcher).__name__}({name}={value!r}): {name} is a whole number >= 1.")
