@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
+from lightning_naspipe.boundary import map_tensors
 from lightning_naspipe.choice import Architecture
 from lightning_naspipe.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
@@ -121,12 +121,16 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
     score = _Scorer(model, supernet, batches, calibration_batches, metric)
     logged = read_log(log_path, repair=rank == 0) if log_path is not None else []
     history: list[Record] = []
-    scores: dict[tuple[tuple[str, int], ...], float] = {}
+    # Each architecture's (score, params, FLOPs), evaluated once.
+    scores: dict[tuple[tuple[str, int], ...], tuple[float, int, int]] = {}
+    constrained = max_params is not None or max_flops is not None or constraint is not None
     was_training = supernet.training
     supernet.eval()
     progress = _progress(trainer, rank)
     try:
         def feasible(architecture: Architecture) -> bool:
+            if not constrained:  # measured where evaluated, not on every process
+                return True
             params, flops = score.measure(architecture)
             return ((max_params is None or params <= max_params) and (max_flops is None or flops <= max_flops)
                     and (constraint is None or bool(constraint(architecture, params, flops))))
@@ -140,13 +144,12 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
                         f"proposes {architecture}: it comes from another searcher, seed or checkpoint. Pass "
                         "another log_path, or the same settings."
                     )
-                scores.setdefault(_key(architecture), logged[i].score)
+                scores.setdefault(_key(architecture), (logged[i].score, logged[i].params, logged[i].flops))
             todo = list({_key(a): a for a in proposals if _key(a) not in scores}.values())
             mine = {_key(a): score(a) for a in todo[rank::world]}
             for part in gather_objects(mine, world):
                 scores.update(part)
-            new = [Record(i, supernet.validate(a), scores[_key(a)], *score.measure(a))
-                   for i, a in enumerate(proposals, first)]
+            new = [Record(i, supernet.validate(a), *scores[_key(a)]) for i, a in enumerate(proposals, first)]
             history += new
             if rank == 0:
                 fresh = [r for r in new if r.index >= len(logged)]
@@ -182,21 +185,27 @@ class _Scorer:
         return net.eval()
 
     def measure(self, architecture: Architecture) -> tuple[int, int]:
+        """Parameters, and FLOPs of one forward on the first batch (a constraint's inputs)."""
         key = _key(architecture)
         if key not in self._measured:
             net = self.supernet.freeze(architecture).eval()
-            params = sum(p.numel() for p in net.parameters())
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 net(self.model.pipeline_input(self.batches[0]))
-            self._measured[key] = (params, int(counter.get_total_flops()))
+            self._measured[key] = (sum(p.numel() for p in net.parameters()), int(counter.get_total_flops()))
         return self._measured[key]
 
-    def __call__(self, architecture: Architecture) -> float:
+    def __call__(self, architecture: Architecture) -> tuple[float, int, int]:
+        """The score, the parameters and the FLOPs of ``architecture``."""
         net = self.frozen(architecture)
         total, weight = 0.0, 0.0
+        counter = FlopCounterMode(display=False)
         with torch.no_grad():
-            for batch in self.batches:
-                output = net(self.model.pipeline_input(batch))
+            for n, batch in enumerate(self.batches):
+                if n == 0:  # FLOPs counted on the first batch's forward (the mode only counts, results unchanged)
+                    with counter:
+                        output = net(self.model.pipeline_input(batch))
+                else:
+                    output = net(self.model.pipeline_input(batch))
                 value, count = (self.metric(output, batch) if self.metric is not None
                                 else (self.model.compute_loss(output, batch), 1))
                 total += _number(value, "value")
@@ -204,7 +213,8 @@ class _Scorer:
         if weight == 0:
             raise NASPipeConfigError("search_metric returned a total weight of 0; return (value, count) with "
                                      "count > 0.")
-        return total / weight
+        params = sum(p.numel() for p in net.parameters())
+        return total / weight, params, int(counter.get_total_flops())
 
 
 def _number(value: Any, what: str) -> float:
@@ -228,7 +238,7 @@ def _shared(batches: Iterable[Any], what: str, rank: int, world: int, device: to
     if world > 1:
         mine = broadcast_object(mine, 0, device)
     assert mine is not None
-    return [tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, b) for b in mine]
+    return [map_tensors(lambda t: t.to(device), b) for b in mine]
 
 
 def read_log(path: str | os.PathLike[str], repair: bool = False) -> list[Record]:
