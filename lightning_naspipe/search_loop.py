@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from lightning_naspipe.choice import Architecture
 from lightning_naspipe.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.freezing import recalibrate_batchnorm
-from lightning_naspipe.searchers import Record, Searcher, ranking_key
+from lightning_naspipe.searchers import Record, Searcher, architecture_key, ranking_key
 from lightning_naspipe.supernet import Supernet, supernet_of
 
 __all__ = ["SearchResult", "search"]
@@ -112,10 +112,10 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
             max_flops: int | None, constraint: Constraint | None,
             log_path: str | os.PathLike[str] | None) -> SearchResult:
     world, rank = _world()
-    batches = _shared(dataloader, "dataloader", rank, world, device)
+    batches = _shared(dataloader, rank, world, device)
     if not batches:
         raise NASPipeConfigError("search got an empty dataloader; pass the batches to score architectures on.")
-    calibration_batches = _shared(calibration, "calibration", rank, world, device) if calibration is not None else []
+    calibration_batches = _shared(calibration, rank, world, device) if calibration is not None else []
     metric = getattr(model, "search_metric", None)
     maximize = bool(getattr(model, "search_higher_is_better", True)) if metric is not None else False
     score = _Scorer(model, supernet, batches, calibration_batches, metric)
@@ -124,8 +124,6 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
     # Each architecture's (score, params, FLOPs), evaluated once.
     scores: dict[tuple[tuple[str, int], ...], tuple[float, int, int]] = {}
     constrained = max_params is not None or max_flops is not None or constraint is not None
-    was_training = supernet.training
-    supernet.eval()
     progress = _progress(trainer, rank)
     try:
         def feasible(architecture: Architecture) -> bool:
@@ -144,12 +142,13 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
                         f"proposes {architecture}: it comes from another searcher, seed or checkpoint. Pass "
                         "another log_path, or the same settings."
                     )
-                scores.setdefault(_key(architecture), (logged[i].score, logged[i].params, logged[i].flops))
-            todo = list({_key(a): a for a in proposals if _key(a) not in scores}.values())
-            mine = {_key(a): score(a) for a in todo[rank::world]}
+                scores.setdefault(architecture_key(architecture), (logged[i].score, logged[i].params, logged[i].flops))
+            todo = list({architecture_key(a): a for a in proposals if architecture_key(a) not in scores}.values())
+            mine = {architecture_key(a): score(a) for a in todo[rank::world]}
             for part in gather_objects(mine, world):
                 scores.update(part)
-            new = [Record(i, supernet.validate(a), *scores[_key(a)]) for i, a in enumerate(proposals, first)]
+            new = [Record(i, supernet.validate(a), *scores[architecture_key(a)])
+                   for i, a in enumerate(proposals, first)]
             history += new
             if rank == 0:
                 fresh = [r for r in new if r.index >= len(logged)]
@@ -158,15 +157,10 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
                 _log(trainer, history, fresh, maximize)
             progress.update(len(new))
     finally:
-        supernet.train(was_training)
         progress.close()
     if not history:
         raise NASPipeConfigError(f"{type(searcher).__name__} proposed no architecture; give it samples or cycles.")
     return SearchResult(history, maximize)
-
-
-def _key(architecture: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted(architecture.items()))
 
 
 class _Scorer:
@@ -186,7 +180,7 @@ class _Scorer:
 
     def measure(self, architecture: Architecture) -> tuple[int, int]:
         """Parameters, and FLOPs of one forward on the first batch (a constraint's inputs)."""
-        key = _key(architecture)
+        key = architecture_key(architecture)
         if key not in self._measured:
             net = self.supernet.freeze(architecture).eval()
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -232,7 +226,7 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
-def _shared(batches: Iterable[Any], what: str, rank: int, world: int, device: torch.device) -> list[Any]:
+def _shared(batches: Iterable[Any], rank: int, world: int, device: torch.device) -> list[Any]:
     """The batches of the first process, on every process, on ``device``."""
     mine = list(batches) if rank == 0 else None
     if world > 1:

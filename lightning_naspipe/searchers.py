@@ -71,7 +71,8 @@ def _draw(labels: Mapping[str, int], rng: random.Random) -> Architecture:
     return {label: rng.randrange(count) for label, count in labels.items()}
 
 
-def _key(architecture: Architecture) -> tuple[tuple[str, int], ...]:
+def architecture_key(architecture: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """A hashable key of an architecture, the same whatever the dict's order."""
     return tuple(sorted(architecture.items()))
 
 
@@ -80,13 +81,20 @@ def _sample_new(labels: Mapping[str, int], seed: str, feasible: Callable[[Archit
     """A feasible architecture not in ``seen``, from the stream ``seed``."""
     for attempt in range(MAX_TRIES):
         architecture = _draw(labels, random.Random(f"{seed}:{attempt}"))
-        if _key(architecture) not in seen and feasible(architecture):
-            seen.add(_key(architecture))
+        if architecture_key(architecture) not in seen and feasible(architecture):
+            seen.add(architecture_key(architecture))
             return architecture
     raise NASPipeConfigError(
         f"No new architecture met the search's constraints in {MAX_TRIES} random draws: loosen max_params, "
         "max_flops or the constraint function, or ask for fewer samples than the space holds."
     )
+
+
+def _random_until(labels: Mapping[str, int], history: Sequence[Record], count: int, seed: int,
+                  feasible: Callable[[Architecture], bool]) -> list[Architecture]:
+    """Distinct feasible random architectures for evaluations ``len(history) .. count - 1``."""
+    seen = {architecture_key(r.architecture) for r in history}
+    return [_sample_new(labels, f"{seed}:random:{k}", feasible, seen) for k in range(len(history), count)]
 
 
 @dataclass(frozen=True)
@@ -112,9 +120,7 @@ class RandomSearch:
                 f"RandomSearch(samples={self.samples}): the space holds only {size} architectures; ask for fewer "
                 "samples than the space holds, or use GridSearch() to evaluate all of them."
             )
-        seen = {_key(r.architecture) for r in history}
-        return [_sample_new(labels, f"{self.seed}:random:{k}", feasible, seen)
-                for k in range(len(history), self.samples)]
+        return _random_until(labels, history, self.samples, self.seed, feasible)
 
 
 @dataclass(frozen=True)
@@ -174,9 +180,7 @@ class EvolutionSearch:
     def propose(self, labels: Mapping[str, int], history: Sequence[Record],
                 feasible: Callable[[Architecture], bool], maximize: bool) -> list[Architecture]:
         if len(history) < self.population:
-            seen = {_key(r.architecture) for r in history}
-            return [_sample_new(labels, f"{self.seed}:random:{k}", feasible, seen)
-                    for k in range(len(history), self.population)]
+            return _random_until(labels, history, self.population, self.seed, feasible)
         cycle = len(history) - self.population
         if cycle >= self.cycles:
             return []
