@@ -20,6 +20,12 @@ Run it with the bundled config (two pipeline stages), or pick the strategy on th
     python examples/digits_spos.py fit --config examples/digits.yaml
     python examples/digits_spos.py fit --trainer.strategy naspipe --trainer.max_epochs 3
 
+After ``fit``, search the trained supernet under a FLOPs budget (the same config plus the search's
+own settings) and fine-tune the best subnet with a plain Trainer::
+
+    python examples/digits_spos.py search --config examples/digits.yaml --config examples/digits_search.yaml
+    python examples/digits_finetune.py
+
 Without ``--trainer.strategy naspipe`` the plain one-device Trainer trains the very same
 subnets, bitwise identically, one per batch.
 
@@ -33,7 +39,7 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType
 from lightning.pytorch.utilities import rank_zero_info
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
@@ -190,6 +196,10 @@ class DigitsSupernet(lnp.NASPipeMixin, pl.LightningModule):
     def compute_loss(self, output: Tensor, batch: Any) -> Tensor:
         return nn.functional.cross_entropy(output, batch[1])
 
+    def search_metric(self, output: Tensor, batch: Any) -> tuple[Tensor, int]:
+        """What ``search`` scores a subnet by: correct predictions and the count (integers sum exactly)."""
+        return (output.argmax(dim=1) == batch[1]).sum(), len(batch[1])
+
     def val_architectures(self) -> list[dict[str, int]]:
         """The fixed validation panel (see the class docstring)."""
         return [self.sample_subnet(-1 - i) for i in range(self.num_val_subnets)]
@@ -235,9 +245,10 @@ class DigitsSupernet(lnp.NASPipeMixin, pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
 
 
-def cli_main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+def cli_main(args: ArgsType = None, run: bool = True) -> Any:
     """The command-line entry point; ``args`` overrides ``sys.argv`` (used by the tests)."""
-    return LightningCLI(
+    # LightningCLI plus a "search" subcommand that reads the same config file as "fit".
+    return lnp.naspipe_cli(
         DigitsSupernet,
         DigitsDataModule,
         seed_everything_default=42,

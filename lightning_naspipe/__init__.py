@@ -12,11 +12,12 @@ from lightning_naspipe.export import load_subnet, save_subnet
 from lightning_naspipe.freezing import recalibrate_batchnorm
 from lightning_naspipe.mixin import NASPipeMixin
 from lightning_naspipe.search_loop import SearchResult, search
-from lightning_naspipe.searchers import EvolutionSearch, GridSearch, RandomSearch
+from lightning_naspipe.cli import naspipe_cli
+from lightning_naspipe.searchers import EvolutionSearch, GridSearch, RandomSearch, SPOSSearch
 from lightning_naspipe.strategy import NASPipeStrategy
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
 
 __all__ = ["Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch", "InputChoice", "NASPipeCallback",
-           "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "SearchResult", "Supernet",
-           "When", "Zero", "load_subnet", "recalibrate_batchnorm", "save_subnet", "search"]
+           "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "SPOSSearch", "SearchResult",
+           "Supernet", "When", "Zero", "load_subnet", "naspipe_cli", "recalibrate_batchnorm", "save_subnet", "search"]
 __version__ = "0.1.0"

@@ -25,11 +25,12 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from lightning_naspipe.boundary import map_tensors
+from lightning_naspipe.boundary import map_tensors, tensors_in
 from lightning_naspipe.choice import Architecture
 from lightning_naspipe.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.freezing import recalibrate_batchnorm
+from lightning_naspipe.search_plot import pareto_front, plot_search
 from lightning_naspipe.searchers import Record, Searcher, architecture_key, ranking_key
 from lightning_naspipe.supernet import Supernet, supernet_of
 
@@ -61,6 +62,14 @@ class SearchResult:
         """The best architecture."""
         return dict(self.best_record.architecture)
 
+    def pareto_front(self) -> list[Record]:
+        """The records no other beats on both FLOPs and score, by increasing FLOPs."""
+        return pareto_front(self.history, self.maximize)
+
+    def plot(self, path: str | os.PathLike[str], title: str | None = None) -> Path:
+        """Write a PNG of score against FLOPs with the Pareto front (needs matplotlib)."""
+        return plot_search(self.history, self.maximize, path, title)
+
     def table(self) -> str:
         """Every record, best first: rank, index, score, params, FLOPs and the architecture."""
         rows = sorted(self.history, key=lambda r: ranking_key(r, self.maximize))
@@ -90,7 +99,7 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
         calibration: batches to recompute each candidate's BatchNorm statistics on (the same batches for
             every candidate); ``None`` keeps the supernet's statistics.
         max_params: only architectures with at most this many parameters.
-        max_flops: only architectures with at most this many FLOPs per forward on the first batch.
+        max_flops: only architectures with at most this many FLOPs per sample (see :class:`Record`).
         constraint: ``constraint(architecture, params, flops) -> bool``: a further constraint.
         log_path: a JSON-lines file of the records; if it exists the search resumes from it, evaluating
             nothing twice (it must come from the same searcher, seed and checkpoint).
@@ -171,6 +180,8 @@ class _Scorer:
         self.model, self.supernet, self.batches, self.calibration, self.metric = (
             model, supernet, batches, calibration, metric)
         self._measured: dict[tuple[tuple[str, int], ...], tuple[int, int]] = {}
+        first = tensors_in(model.pipeline_input(batches[0]))
+        self.samples = first[0].shape[0] if first and first[0].dim() else 1  # FLOPs are reported per sample
 
     def frozen(self, architecture: Architecture) -> nn.Module:
         net = self.supernet.freeze(architecture)
@@ -179,13 +190,14 @@ class _Scorer:
         return net.eval()
 
     def measure(self, architecture: Architecture) -> tuple[int, int]:
-        """Parameters, and FLOPs of one forward on the first batch (a constraint's inputs)."""
+        """Parameters, and FLOPs per sample of the first batch's forward (a constraint's inputs)."""
         key = architecture_key(architecture)
         if key not in self._measured:
             net = self.supernet.freeze(architecture).eval()
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 net(self.model.pipeline_input(self.batches[0]))
-            self._measured[key] = (sum(p.numel() for p in net.parameters()), int(counter.get_total_flops()))
+            self._measured[key] = (sum(p.numel() for p in net.parameters()),
+                                   int(counter.get_total_flops()) // self.samples)
         return self._measured[key]
 
     def __call__(self, architecture: Architecture) -> tuple[float, int, int]:
@@ -208,7 +220,7 @@ class _Scorer:
             raise NASPipeConfigError("search_metric returned a total weight of 0; return (value, count) with "
                                      "count > 0.")
         params = sum(p.numel() for p in net.parameters())
-        return total / weight, params, int(counter.get_total_flops())
+        return total / weight, params, int(counter.get_total_flops()) // self.samples
 
 
 def _number(value: Any, what: str) -> float:
@@ -279,4 +291,4 @@ def _log(trainer: Any, history: list[Record], fresh: list[Record], maximize: boo
 
 def _progress(trainer: Any, rank: int) -> Any:
     enabled = rank == 0 and getattr(trainer, "progress_bar_callback", None) is not None
-    return tqdm(desc="Search", unit="architecture", disable=not enabled, dynamic_ncols=True, leave=True)
+    return tqdm(desc="Search", unit=" architectures", disable=not enabled, dynamic_ncols=True, leave=True)

@@ -21,7 +21,7 @@ from typing import Protocol
 from lightning_naspipe.choice import Architecture
 from lightning_naspipe.errors import NASPipeConfigError
 
-__all__ = ["EvolutionSearch", "GridSearch", "RandomSearch", "Record", "Searcher"]
+__all__ = ["EvolutionSearch", "GridSearch", "RandomSearch", "Record", "SPOSSearch", "Searcher"]
 
 #: Tries per wanted architecture before a constraint counts as impossible to meet.
 MAX_TRIES = 1000
@@ -36,7 +36,8 @@ class Record:
         architecture: the subnet.
         score: its score (see :func:`lightning_naspipe.search`).
         params: parameters of the frozen subnet.
-        flops: floating-point operations of one forward of the frozen subnet on the first batch.
+        flops: floating-point operations per sample of the frozen subnet's forward: those of the
+            search's first batch (torch's FLOP counter) divided by its size.
     """
 
     index: int
@@ -199,6 +200,93 @@ class EvolutionSearch:
             f"EvolutionSearch: no mutation of the population met the search's constraints in {MAX_TRIES} tries; "
             "loosen max_params, max_flops or the constraint function."
         )
+
+
+@dataclass(frozen=True)
+class SPOSSearch:
+    """Generational evolution as in Single Path One-Shot (Guo et al., 2020): top-k parents, mutation, crossover.
+
+    Generation 0 is ``population`` random architectures. Each later generation evaluates
+    ``population`` architectures never evaluated before: ``mutations`` children of a random parent
+    among the ``parents`` best so far (each label redrawn with probability ``mutation_prob``), then
+    ``crossovers`` children of two such parents (each label from either), then random ones to fill
+    the generation. Defaults are the SPOS reference's.
+
+    Args:
+        population: architectures per generation.
+        parents: how many of the best so far are parents (top-k).
+        mutations: mutated children per generation (at most; fewer if the tries run out).
+        crossovers: crossover children per generation (at most).
+        mutation_prob: the chance that a mutation redraws a label.
+        generations: generations including the random first one.
+        seed: the search's seed.
+    """
+
+    population: int = 50
+    parents: int = 10
+    mutations: int = 25
+    crossovers: int = 25
+    mutation_prob: float = 0.1
+    generations: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, population=self.population, parents=self.parents, generations=self.generations)
+        if (self.mutations < 0 or self.crossovers < 0 or self.mutations + self.crossovers > self.population
+                or not 0.0 < self.mutation_prob <= 1.0):
+            raise NASPipeConfigError(
+                f"SPOSSearch(population={self.population}, mutations={self.mutations}, crossovers="
+                f"{self.crossovers}, mutation_prob={self.mutation_prob}): mutations and crossovers are at least 0 "
+                "and together at most population; mutation_prob is in (0, 1]."
+            )
+
+    def propose(self, labels: Mapping[str, int], history: Sequence[Record],
+                feasible: Callable[[Architecture], bool], maximize: bool) -> list[Architecture]:
+        total = self.population * self.generations
+        size = math.prod(labels.values())
+        if total > size:
+            raise NASPipeConfigError(
+                f"SPOSSearch evaluates population x generations = {total} distinct architectures, but the space "
+                f"holds only {size}; lower population or generations, or use GridSearch()."
+            )
+        if len(history) >= total:
+            return []
+        if len(history) < self.population:
+            return _random_until(labels, history, self.population, self.seed, feasible)
+        generation = len(history) // self.population
+        before = history[:generation * self.population]  # a generation is bred from the whole ones before it
+        best = sorted(before, key=lambda r: ranking_key(r, maximize))[:self.parents]
+        seen = {architecture_key(r.architecture) for r in before}
+        rng = random.Random(f"{self.seed}:generation:{generation}")
+        children = self._children(labels, [r.architecture for r in best], rng, feasible, seen)
+        children += [_sample_new(labels, f"{self.seed}:generation:{generation}:random:{k}", feasible, seen)
+                     for k in range(len(children), self.population)]
+        return children[len(history) - len(before):]
+
+    def _children(self, labels: Mapping[str, int], parents: list[Architecture], rng: random.Random,
+                  feasible: Callable[[Architecture], bool], seen: set[tuple[tuple[str, int], ...]]
+                  ) -> list[Architecture]:
+        def mutate() -> Architecture:
+            parent = rng.choice(parents)
+            return {label: rng.randrange(labels[label]) if rng.random() < self.mutation_prob else value
+                    for label, value in parent.items()}
+
+        def cross() -> Architecture:
+            first, second = rng.choice(parents), rng.choice(parents)
+            return {label: rng.choice((first[label], second[label])) for label in first}
+
+        children: list[Architecture] = []
+        for make, wanted in ((mutate, self.mutations), (cross, self.crossovers)):
+            made = 0
+            for _ in range(10 * wanted):  # the reference's bound: tries run out in a converged population
+                if made == wanted:
+                    break
+                child = make()
+                if architecture_key(child) not in seen and feasible(child):
+                    seen.add(architecture_key(child))
+                    children.append(child)
+                    made += 1
+        return children
 
 
 def _check_positive(searcher: object, **values: int) -> None:

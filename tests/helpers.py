@@ -159,8 +159,7 @@ def spawn_gloo_pair(worker: Any) -> dict[str, Any]:
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: LightningCLI flags that keep the example runs short and their output out of the way.
-QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-         "--trainer.enable_checkpointing=false", "--trainer.logger=false"]
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
 
 
 def load_example(name: str) -> Any:

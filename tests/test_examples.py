@@ -125,9 +125,10 @@ def test_cli_yaml_class_path_strategy(digits: ModuleType, tmp_path: Path) -> Non
 
 
 @pytest.mark.usefixtures("clean_argv")
-def test_cli_shipped_config(digits: ModuleType, tmp_path: Path) -> None:
+def test_cli_shipped_config(digits: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The config in examples/ parses and runs; only the run length is cut short, and it runs in
-    # this process (the shipped two-stage run is covered by the README command and test_pipeline.py).
+    # this process (the shipped two-stage run is covered by the README command and test_cli.py).
+    monkeypatch.chdir(tmp_path)  # the config writes runs/digits/supernet.ckpt
     cli = digits.cli_main(["fit", "--config", str(EXAMPLES / "digits.yaml"), "--trainer.max_steps", "6",
                            "--trainer.devices", "1",
                            "--trainer.default_root_dir", str(tmp_path), *QUIET])
@@ -135,3 +136,4 @@ def test_cli_shipped_config(digits: ModuleType, tmp_path: Path) -> None:
     assert cli.trainer.strategy.window == 8
     assert cli.trainer.max_epochs == 40
     assert cli.trainer.global_step == 6
+    assert (tmp_path / "runs" / "digits" / "supernet.ckpt").is_file()  # where digits_search.yaml reads it

@@ -137,3 +137,16 @@ def test_constraints_bound_params_and_flops_and_loggers_get_the_curve(trained: t
         lnp.search(trainer, model, lnp.RandomSearch(3), loader, max_params=1)
     with pytest.raises(lnp.NASPipeConfigError, match="empty dataloader"):
         lnp.search(trainer, model, lnp.RandomSearch(3), [])
+
+
+def test_the_progress_bar_counts_architectures_when_the_trainer_shows_one(
+        trained: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    model, _ = trained
+    loader = toy_loader(samples=8, shuffle=False)
+    lnp.search(pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=True), model,
+               lnp.RandomSearch(5), loader)
+    shown = capsys.readouterr().err
+    assert "Search" in shown and "5 architectures" in shown
+    lnp.search(pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False), model,
+               lnp.RandomSearch(5), loader)
+    assert "Search" not in capsys.readouterr().err

@@ -58,20 +58,44 @@ def test_evolution_mutates_the_tournament_winner_in_one_label_and_ages_the_popul
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), cut=st.integers(0, 40), maximize=st.booleans(),
-       kind=st.sampled_from(["random", "evolution"]))
+       kind=st.sampled_from(["random", "evolution", "spos"]))
 def test_a_search_resumed_from_any_prefix_proposes_what_the_uninterrupted_one_did(
         seed: int, cut: int, maximize: bool, kind: str) -> None:
     rng = random.Random(seed)
     labels = {f"l{i}": rng.randint(1, 4) for i in range(rng.randint(2, 6))}
     size = math.prod(labels.values())
-    searcher: Searcher = (lnp.RandomSearch(min(20, size), seed=seed) if kind == "random"
-                          else lnp.EvolutionSearch(population=min(5, size), sample_size=2 if size > 1 else 1,
-                                                   cycles=15, seed=seed))
+    searchers: dict[str, Searcher] = {
+        "random": lnp.RandomSearch(min(20, size), seed=seed),
+        "evolution": lnp.EvolutionSearch(population=min(5, size), sample_size=2 if size > 1 else 1, cycles=15,
+                                         seed=seed),
+        "spos": lnp.SPOSSearch(population=1, parents=1, mutations=0, crossovers=0, generations=size, seed=seed)
+        if size < 6 else lnp.SPOSSearch(population=6, parents=2, mutations=2, crossovers=2, mutation_prob=0.5,
+                                        generations=min(5, size // 6), seed=seed),
+    }
+    searcher = searchers[kind]
     full = _run(searcher, labels, maximize)
     evaluated: list[dict[str, int]] = []
     resumed = _run(searcher, labels, maximize, prefix=full[:cut], on_evaluate=evaluated.append)
     assert resumed == full
     assert evaluated == [r.architecture for r in full[cut:]]  # nothing evaluated twice
+
+
+def test_spos_generations_breed_from_the_best_so_far() -> None:
+    space = {f"l{i}": 4 for i in range(6)}
+    searcher = lnp.SPOSSearch(population=12, parents=3, mutations=0, crossovers=8, generations=5, seed=2)
+    history = _run(searcher, space)
+    assert len(history) == 60 and len({tuple(r.architecture.items()) for r in history}) == 60
+    assert history == _run(searcher, space) and history != _run(lnp.SPOSSearch(12, 3, 0, 8, generations=5), space)
+    for generation in range(1, 5):
+        earlier = history[:12 * generation]
+        parents = sorted(earlier, key=lambda r: ranking_key(r, True))[:3]
+        children = history[12 * generation:12 * generation + 8]
+        for child in children:  # crossover: every label from one of the top-3 parents
+            assert all(child.architecture[k] in {p.architecture[k] for p in parents} for k in space)
+    mutated = _run(lnp.SPOSSearch(12, 3, mutations=8, crossovers=0, mutation_prob=0.2, generations=3, seed=2), space)
+    distance = [min(sum(c.architecture[k] != p.architecture[k] for k in space) for p in mutated[:12])
+                for c in mutated[12:20]]
+    assert min(distance) >= 1 and sum(distance) / len(distance) < 3  # a few labels redrawn, never a copy
 
 
 def test_grid_search_covers_a_small_space_and_refuses_a_large_one() -> None:
@@ -91,5 +115,9 @@ def test_impossible_constraints_and_bad_arguments_are_clear_errors() -> None:
         _run(lnp.EvolutionSearch(3, 2, 5), SPACE, feasible=lambda a: a["a"] == a["b"] == a["c"] and a["e"] == 0)
     with pytest.raises(lnp.NASPipeConfigError, match="samples=0"):
         lnp.RandomSearch(0)
+    with pytest.raises(lnp.NASPipeConfigError, match="the space holds only 6"):
+        _run(lnp.SPOSSearch(population=4, parents=2, mutations=1, crossovers=1, generations=2), {"x": 2, "y": 3})
+    with pytest.raises(lnp.NASPipeConfigError, match="together at most population"):
+        lnp.SPOSSearch(population=10, mutations=6, crossovers=6)
     with pytest.raises(lnp.NASPipeConfigError, match="sample_size must be at most population"):
         lnp.EvolutionSearch(population=2, sample_size=3, cycles=1)
