@@ -1,13 +1,12 @@
 """Search evaluation throughput: ``lnp.search`` on 1 process against 2 processes (gloo, 1 thread each).
 
 The zoo's NB201 cell space on digits (fresh weights: evaluation speed does not depend on them) is
-searched with ``RandomSearch(64)`` over the same evaluation batches, with and without BatchNorm
+searched with ``RandomSearch(128)`` over the same evaluation batches, with and without BatchNorm
 recalibration, after a short untimed warm-up search in every process; the 2-process run must give
 the same records, and the table gives architectures/s and the ratio (best of ``--repeats`` rounds).
 Run from the repository root::
 
-    python benchmarks/search_eval.py              # ~1 min on 2 cores
-    python benchmarks/search_eval.py --samples 128 --batches 8
+    python benchmarks/search_eval.py --repeats 3   # ~1.5 min on 2 cores
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ def measure(world: int, args: argparse.Namespace) -> tuple[float, list[Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--channels", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
