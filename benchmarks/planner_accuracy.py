@@ -2,7 +2,7 @@
 
 Each round calibrates on this machine (``profile_supernet`` + ``lightning_overheads`` +
 ``pipeline_overheads``, ~20 s), predicts 1 device, 2 stages at window 1 and 2 stages at
-window 16 with :func:`lightning_naspipe.planner.simulate`, then measures the same three
+window 16 with :func:`lightning_naspipe.planning.simulate`, then measures the same three
 configurations (``overlap.py``'s runs, fresh processes each). Rounds alternate calibrating and
 measuring, so a machine whose speed drifts moves both; the table reports the median of the
 rounds (and their range). Run from the repository root::
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from common import Result, add_common_args, launch, machine, ok, write_json
-from lightning_naspipe.planner import SpaceSpec, simulate
-from lightning_naspipe.profile import lightning_overheads, pipeline_overheads, profile_supernet
+from lightning_naspipe.planning import SpaceSpec, profile_supernet, simulate
+from overhead_harness import lightning_overheads, pipeline_overheads
 from overlap import CONFIGS, WideSpace, config, space_args
 
 OVERLAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlap.py")

@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lightning_naspipe.planner import SpaceSpec, plan, table, wide_spec
+from lightning_naspipe.planning import SpaceSpec, plan, table, wide_spec
 from lightning_naspipe.schedule import SCHEDULES
 
 
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("plan", help="predict pipeline throughput for several stage counts",
                             description="Simulate the CSP schedule on a space's costs (see docs/planner.md).")
-    p.add_argument("--spec", help="a SpaceSpec JSON file (lightning_naspipe.profile.profile_supernet(...).to_json())")
+    p.add_argument("--spec", help="a SpaceSpec JSON file (lightning_naspipe.planning.profile_supernet(...).to_json())")
     p.add_argument("--wide", type=int, metavar="C", help="instead of --spec: choice blocks of C equal candidates")
     p.add_argument("--blocks", type=int, default=8, help="with --wide: the number of choice blocks (default 8)")
     p.add_argument("--block-ms", type=float, default=1.0,

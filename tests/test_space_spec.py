@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_naspipe.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
+from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
 from test_planner import mixed_spec
 
 

@@ -1,0 +1,14 @@
+"""Planning: a space's costs measured (``profile``, ``block_cost``) and its pipeline predicted (``planner``).
+
+``space_spec`` describes a space by costs; ``block_cost`` times blocks as training runs them, with one
+reduction (:func:`candidate_ms`, :func:`block_cost_ms`) that the stage split, the profile and the
+planner all use; ``profile`` measures a :class:`SpaceSpec`; ``planner`` simulates the CSP schedule on it.
+"""
+
+from lightning_naspipe.planning.planner import Prediction, plan, simulate, table
+from lightning_naspipe.planning.profile import profile_supernet
+from lightning_naspipe.planning.space_spec import (BlockSpec, CandidateSpec, SpaceSpec, block_cost_ms, candidate_ms,
+                                                   wide_spec)
+
+__all__ = ["BlockSpec", "CandidateSpec", "Prediction", "SpaceSpec", "block_cost_ms", "candidate_ms", "plan",
+           "profile_supernet", "simulate", "table", "wide_spec"]

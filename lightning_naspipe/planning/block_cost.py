@@ -1,0 +1,145 @@
+"""Block costs measured as training runs them: the one measurement and the one reduction of it.
+
+Blocks are timed *as training runs them* (:func:`time_paths`): whole paths through the supernet,
+path ``r`` taking candidate ``r mod n`` of every block, forward block by block and then one
+backward, so inputs have the right shapes and caches are as cold as in training, where the ops
+keep changing. Timing an op alone, again and again on the same input, keeps its weights and
+activations in cache and undercounts the blocks with many weights (seen: a SPOS CNN's stage
+shares off by 20 points).
+
+One reduction everywhere (the stage split, the profile, the planner): a candidate costs the
+fastest of its timed rounds (``space_spec.candidate_ms``; other jobs on a machine only ever add time) and
+a block costs the mean over its candidates (``space_spec.block_cost_ms``), the expected cost of a
+uniformly sampled subnet's pick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_naspipe.boundary import tensors_in
+from lightning_naspipe.choice import active_architecture
+from lightning_naspipe.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.sampling import keyed_rng
+
+__all__ = ["BlockFailure", "PathTimes", "time_paths"]
+
+
+class BlockFailure(RuntimeError):
+    """A block failed while being timed; ``index`` is the block (``None``: in the backward pass)."""
+
+    def __init__(self, index: int | None, error: BaseException) -> None:
+        self.index = index
+        where = f"block {index}" if index is not None else "the backward pass"
+        super().__init__(f"{where} failed ({type(error).__name__}: {error})")
+
+
+@dataclass
+class PathTimes:
+    """Seconds measured by :func:`time_paths`, warm-up excluded.
+
+    Attributes:
+        forward: per block, per candidate, one value per timed path that took it.
+        backward: the same for the backward.
+        update: the optimizer step per stateful op, one value per timed path (none without an optimizer).
+    """
+
+    forward: list[list[list[float]]]
+    backward: list[list[list[float]]]
+    update: list[float] = field(default_factory=list)
+
+
+def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
+               clock: Callable[[], float] = time.perf_counter,
+               optimizer: torch.optim.Optimizer | None = None) -> PathTimes:
+    """Train paths through ``ops`` (per block, its candidates) and time every block of each.
+
+    One warm-up round, then ``repeats`` rounds of ``max(len(c) for c in ops)`` paths. A block's
+    backward ends when the gradient of its input is computed (a hook on it); the first blocks,
+    whose inputs need no gradient, end when the backward returns. With an ``optimizer`` (over the
+    ops' parameters), each path ends with a step restricted to the path's parameters, as the
+    engine updates a subnet. Modifies the ops (gradients, buffers, optimizer state): time copies.
+
+    Raises:
+        BlockFailure: a block's forward or the backward raised.
+    """
+    for candidates in ops:
+        for op in candidates:
+            op.train()
+    paths = max(len(c) for c in ops)
+    times = PathTimes([[[] for _ in c] for c in ops], [[[] for _ in c] for c in ops])
+    for run in range((repeats + 1) * paths):  # the first round warms up kernels and optimizer state
+        picks = [run % len(c) for c in ops]
+        forward, backward, update = _time_path([c[k] for c, k in zip(ops, picks)], example_input, optimizer, run,
+                                               clock)
+        if run >= paths:
+            for i, k in enumerate(picks):
+                times.forward[i][k].append(forward[i])
+                times.backward[i][k].append(backward[i])
+            times.update += update
+    return times
+
+
+class _FirstCandidates(Mapping[str, int]):
+    """An architecture choosing the first candidate of every nested choice."""
+
+    def __getitem__(self, label: str) -> int:
+        return 0
+
+    def __contains__(self, label: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_FIRST_CANDIDATES = _FirstCandidates()
+
+
+def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer | None, run: int,
+               clock: Callable[[], float]) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of each block's forward and backward along ``path``, and of its update per stateful op."""
+    n = len(path)
+    forward, done = [0.0] * n, [0.0] * (n + 1)
+    for i, op in enumerate(path):
+        for t in tensors_in(x):
+            if t.requires_grad:
+                stamp = lambda grad, i=i: done.__setitem__(i, max(done[i], clock()))  # noqa: E731
+                t.register_hook(stamp)  # type: ignore[no-untyped-call]
+        t0 = clock()
+        try:
+            with keyed_rng(torch.device("cpu"), 0, run, i, 0), active_architecture(_FIRST_CANDIDATES):
+                x = op(x)
+        except Exception as error:
+            raise BlockFailure(i, error) from error
+        forward[i] = clock() - t0
+    outs = [o for o in tensors_in(x) if o.requires_grad]
+    done[n] = clock()
+    try:
+        if outs:
+            sum(o.float().sum() for o in outs).backward()  # type: ignore[union-attr]
+    except Exception as error:
+        raise BlockFailure(None, error) from error
+    end = clock()
+    done = [t or end for t in done]
+    backward = [max(done[i] - done[i + 1], 0.0) for i in range(n)]
+    stateful = [op for op in path if any(p.grad is not None for p in op.parameters())]
+    params = module_parameters(stateful)
+    update = []
+    if optimizer is not None and stateful:
+        t0 = clock()
+        with restrict_param_groups(optimizer, params):
+            optimizer.step()
+        update = [(clock() - t0) / len(stateful)]
+    for p in params:
+        p.grad = None
+    return forward, backward, update

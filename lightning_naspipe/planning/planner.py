@@ -1,0 +1,320 @@
+"""Schedule simulator and planner: predict NASPipe's throughput before running it.
+
+A :class:`~.space_spec.SpaceSpec` describes a search space by costs only (per block, per candidate: forward and
+backward milliseconds and whether it holds state), plus the run's overheads. :func:`simulate` samples
+subnets like the mixin's default sampler, splits the blocks into stages, builds each window's CSP
+schedule with the real scheduler (:func:`~lightning_naspipe.schedule.build_schedule`), times it with
+those costs, and reports throughput, bubbles, why stages stall and how many subnets are in flight.
+:func:`plan` does it for many stage counts; it reuses the sampler, the stage split and the schedule
+modes of the training code, so predictions cannot drift from what runs. :mod:`.profile` measures a
+supernet. See ``docs/planner.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_naspipe.partition import balanced_split
+from lightning_naspipe.sampling import uniform_architecture
+from lightning_naspipe.schedule import (
+    BACKWARD,
+    FORWARD,
+    SCHEDULES,
+    UPDATE,
+    Action,
+    Schedule,
+    build_schedule,
+    scheduling_resources,
+)
+from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
+
+__all__ = ["CAUSES", "TICKS_PER_MS", "BlockSpec", "CandidateSpec", "Prediction", "SpaceSpec", "plan", "simulate",
+           "table", "wide_spec"]
+
+#: Simulation clock: 1 tick = 10 µs; every action lasts at least one tick.
+TICKS_PER_MS = 100
+#: Why a stage is idle: CSP (a forward held for an earlier subnet's update), a neighbour's activation or
+#: gradient not yet computed (pipeline fill/drain), one computed but still in flight, work ready but later
+#: in the engine's fixed order, and fixed per-window overheads.
+CAUSES = ("dependency", "data", "communication", "order", "overhead")
+Resource = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What :func:`simulate` predicts for ``subnets`` subnets. Times are milliseconds.
+
+    Attributes:
+        busy_ms: per stage, time spent in actions.
+        stalls_ms: per stage, idle time by cause (:data:`CAUSES`); busy + stalls = ``makespan_ms``.
+        inflight_max / inflight_mean: per stage, subnets started (first F) but not yet updated
+            (U); the mean is time-weighted over the run.
+    """
+
+    stages: int
+    window: int
+    chunks: int
+    schedule: str
+    subnets: int
+    balance: tuple[int, ...]
+    makespan_ms: float
+    busy_ms: tuple[float, ...]
+    stalls_ms: tuple[dict[str, float], ...]
+    inflight_max: tuple[int, ...]
+    inflight_mean: tuple[float, ...]
+    batch_size: int | None = None
+
+    @property
+    def subnets_per_s(self) -> float:
+        return 1000.0 * self.subnets / self.makespan_ms if self.makespan_ms else math.inf
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return None if self.batch_size is None else self.subnets_per_s * self.batch_size
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle fraction of all stages' time."""
+        return 1.0 - sum(self.busy_ms) / (self.stages * self.makespan_ms) if self.makespan_ms else 0.0
+
+    def stall_split(self) -> dict[str, float]:
+        """Share of all idle time per cause (sums to 1 when there is idle time)."""
+        idle = {cause: sum(s[cause] for s in self.stalls_ms) for cause in CAUSES}
+        total = sum(idle.values())
+        return {cause: (v / total if total else 0.0) for cause, v in idle.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields plus the derived metrics."""
+        return {**asdict(self), "subnets_per_s": self.subnets_per_s, "samples_per_s": self.samples_per_s,
+                "bubble_ratio": self.bubble_ratio, "stall_split": self.stall_split()}
+
+
+def _ticks(ms: float) -> int:
+    return max(1, round(ms * TICKS_PER_MS))
+
+
+def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedule: str = "csp",
+             subnets: int | None = None, seed: int = 0, balance: Sequence[int] | None = None,
+             architectures: Sequence[Mapping[str, int]] | None = None, batch_size: int | None = None,
+             order: str = "engine") -> Prediction:
+    """Predict a run of ``subnets`` subnets (default: 64, rounded up to whole windows).
+
+    Args:
+        spec: the space's costs.
+        stages: pipeline stages (at most the number of blocks).
+        window: subnets per window; windows run one after another, each drained at its end.
+        chunks: micro-batches per subnet; each action costs its share of the subnet's time.
+        schedule: ``"csp"``, ``"one_in_flight"``, ``"gpipe"`` or ``"async"``, as the engine's.
+        subnets: how many subnets to simulate; ignored when ``architectures`` is given.
+        seed: the sampler's seed (the mixin's default uniform sampler).
+        balance: blocks per stage; default: balanced by expected forward + backward time per subnet.
+        architectures: explicit subnets (dicts label -> candidate) instead of the sampler.
+        batch_size: samples per subnet, for :attr:`Prediction.samples_per_s`.
+        order: ``"engine"``: each stage runs the engine's action order (the scheduler run with unit
+            costs), timed with these costs; ``"greedy"``: the scheduler run with these costs (what
+            a cost-aware order would achieve).
+    """
+    labels = spec.labels()
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    if order not in ("engine", "greedy"):
+        raise ValueError(f"order must be 'engine' or 'greedy', got {order!r}")
+    if not 1 <= stages <= len(spec.blocks) or window < 1 or chunks < 1:
+        raise ValueError(f"need 1 <= stages <= {len(spec.blocks)} blocks, window >= 1 and chunks >= 1")
+    if architectures is None:
+        count = subnets if subnets is not None else window * -(-64 // window)
+        architectures = [uniform_architecture(labels, seed, i) for i in range(count)]
+    bad = next((a for a in architectures if any(not 0 <= a.get(k, -1) < n for k, n in labels.items())), None)
+    if not architectures or bad is not None:
+        raise ValueError(f"need at least one subnet, each choosing a candidate per label {labels}; got {bad}")
+    if balance is None:
+        balance = balanced_split([max(b.cost_ms, 1e-3) for b in spec.blocks], stages)
+    if len(balance) != stages or min(balance) < 1 or sum(balance) != len(spec.blocks):
+        raise ValueError(f"balance {list(balance)} must give each of {stages} stages >= 1 block, "
+                         f"{len(spec.blocks)} in all")
+    bounds = [sum(balance[:s]) for s in range(stages + 1)]
+    ranges = [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+    pred = _run(spec, ranges, architectures, window, chunks, schedule, order, 1.0, batch_size)
+    scale = 1.0
+    for _ in range(4 if stages > 1 and spec.parallel_slowdown > 1 else 0):
+        # Contention: compute is parallel_slowdown x slower while every stage computes, less while some idle.
+        span = pred.makespan_ms - pred.stalls_ms[0]["overhead"]
+        busy = sum(pred.busy_ms) / (stages * span) if span else 0.0
+        scale = (scale + 1 + (spec.parallel_slowdown - 1) * busy) / 2
+        pred = _run(spec, ranges, architectures, window, chunks, schedule, order, scale, batch_size)
+    return pred
+
+
+def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], window: int, chunks: int,
+         schedule: str, order: str, scale: float, batch_size: int | None) -> Prediction:
+    """Simulate the windows one after another, compute times scaled by ``scale``."""
+    stages = len(ranges)
+    total = 0
+    busy = [0] * stages
+    stalls = [dict.fromkeys(CAUSES, 0) for _ in range(stages)]
+    inflight_max, inflight_area = [0] * stages, [0] * stages
+    fixed = spec.step_overhead_ms + (spec.sync_ms if stages > 1 else 0.0)
+    latency = round(spec.message_ms * TICKS_PER_MS)
+    for first in range(0, len(architectures), window):
+        archs = architectures[first:first + window]
+        picks = [[(b, arch[block.label] if block.label is not None else 0) for b, block in enumerate(spec.blocks)]
+                 for arch in archs]
+        costs = [[_stage_costs(spec, [picks[i][b] for b in r], chunks, s, stages, scale) for s, r in enumerate(ranges)]
+                 for i in range(len(archs))]
+        res = [[frozenset(p for p in (picks[i][b] for b in r) if spec.blocks[p[0]].candidates[p[1]].stateful)
+                for r in ranges] for i in range(len(archs))]
+        seen = scheduling_resources(schedule, res)
+        if order == "greedy":
+            sched = build_schedule(seen, chunks, lambda s, a: costs[a.subnet][s][a.kind], latency=latency)
+        else:
+            sched = _timed(build_schedule(seen, chunks).stages, costs, latency)
+        overhead = round((fixed + len(archs) * spec.subnet_overhead_ms) * TICKS_PER_MS)
+        for s in range(stages):
+            b, idle, peak, area = _analyse(sched, s, seen, chunks, latency, order == "engine")
+            busy[s] += b
+            for cause, ticks in idle.items():
+                stalls[s][cause] += ticks
+            stalls[s]["overhead"] += overhead
+            inflight_max[s], inflight_area[s] = max(inflight_max[s], peak), inflight_area[s] + area
+        total += sched.makespan + overhead
+    ms = 1.0 / TICKS_PER_MS
+    return Prediction(stages, window, chunks, schedule, len(architectures), tuple(len(r) for r in ranges), total * ms,
+                      tuple(b * ms for b in busy), tuple({c: v * ms for c, v in st.items()} for st in stalls),
+                      tuple(inflight_max), tuple(a / total if total else 0.0 for a in inflight_area), batch_size)
+
+
+def plan(spec: SpaceSpec, stages_list: Iterable[int] = (1, 2, 4, 8, 16, 32, 64), window: int = 16, chunks: int = 1,
+         schedule: str = "csp", **kwargs: Any) -> list[Prediction]:
+    """:func:`simulate` for each stage count that fits the space (at most one stage per block)."""
+    return [simulate(spec, s, window, chunks, schedule, **kwargs) for s in stages_list if s <= len(spec.blocks)]
+
+
+def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int, stages: int,
+                 scale: float) -> dict[str, int]:
+    """Ticks of F and B per chunk, and of U, for one subnet on stage ``s``; compute times ``scale``."""
+    ops = [spec.blocks[b].candidates[k] for b, k in picks]
+    over = spec.action_overhead_ms * scale
+    messages = spec.message_cpu_ms * ((s > 0) + (s < stages - 1))  # F and B each receive and send one
+    return {FORWARD: _ticks(scale * sum(o.forward_ms for o in ops) / chunks + over + messages),
+            BACKWARD: _ticks(scale * sum(o.backward_ms for o in ops) / chunks + over + messages),
+            UPDATE: _ticks(scale * spec.update_ms * sum(o.stateful for o in ops) + over)}
+
+
+def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]], latency: int) -> Schedule:
+    """Run fixed per-stage orders with these costs, as the stage processes do.
+
+    An F on ``s > 0`` (a B on ``s < S-1``) first receives its activation (gradient): the transport
+    moves a message once the receiver asks for it and the sender has sent it (a rendezvous), so the
+    receiver waits ``latency`` from then on, however early the message was sent.
+    """
+    last = len(orders) - 1
+    start: dict[tuple[int, Action], int] = {}
+    finish: dict[tuple[int, Action], int] = {}
+    pc, free = [0] * len(orders), [0] * len(orders)
+    while any(pc[s] < len(o) for s, o in enumerate(orders)):
+        for s, o in enumerate(orders):
+            while pc[s] < len(o):
+                a = o[pc[s]]
+                peer = s - 1 if a.kind == FORWARD else s + 1 if a.kind == BACKWARD else -1
+                at = free[s]
+                if 0 <= peer <= last:
+                    if (peer, a) not in finish:
+                        break
+                    at = max(at, finish[(peer, a)]) + latency
+                start[(s, a)], finish[(s, a)] = at, at + costs[a.subnet][s][a.kind]
+                free[s], pc[s] = finish[(s, a)], pc[s] + 1
+    return Schedule(tuple(tuple(o) for o in orders), start, finish)
+
+
+def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], chunks: int, latency: int,
+             rendezvous: bool) -> tuple[int, dict[str, int], int, int]:
+    """Busy ticks, idle ticks per cause, peak in-flight and in-flight tick-area of stage ``s``.
+
+    In an idle gap, each action whose same-stage dependencies are done is ready (but later in the
+    stage's fixed order), held by its CSP gate alone, waiting for a message in flight, or for one
+    still to be computed. A tick counts as ``order`` if some action was ready, else ``dependency``
+    if one was held by CSP alone, else ``communication`` if an input was in flight, else ``data``.
+    With ``rendezvous`` (fixed orders) a message is in flight from when both its sender and the
+    stage's next action are at it, until that action starts.
+    """
+    n, last, order = len(res), len(sched.stages) - 1, sched.stages[s]
+    start, finish = sched.start, sched.finish
+    gate: list[int] = []
+    users: dict[Any, int] = {}
+    for i in range(n):
+        gate.append(max([users.get(key, -1) for key in res[i][s]], default=-1))
+        users.update(dict.fromkeys(res[i][s], i))
+    def produced(peer: int, kind: str) -> list[list[int | None]]:  # when each message was sent to stage s
+        if not 0 <= peer <= last:
+            return [[None] * chunks for _ in range(n)]
+        return [[finish[(peer, Action(kind, i, c))] for c in range(chunks)] for i in range(n)]
+    sent = {FORWARD: produced(s - 1, FORWARD), BACKWARD: produced(s + 1, BACKWARD)}
+    unlocked = [finish[(s, Action(UPDATE, k))] if k >= 0 else -1 for k in gate]
+    done = {FORWARD: [0] * n, BACKWARD: [0] * n}
+    idle = dict.fromkeys(CAUSES, 0)
+    busy = clock = 0
+
+    def gap(g0: int, g1: int, following: Action) -> None:
+        events: list[tuple[int, int, int]] = []  # (tick, 0 order / 1 dependency / 2 communication, +1 / -1)
+
+        def span(kind: int, lo: int, hi: int) -> None:
+            lo, hi = max(lo, g0), min(hi, g1)
+            if lo < hi:
+                events.extend([(lo, kind, 1), (hi, kind, -1)])
+        for i in range(n):
+            for kind in (FORWARD, BACKWARD):
+                c = done[kind][i]
+                if c >= chunks or (kind == BACKWARD and c >= done[FORWARD][i]):
+                    continue  # finished, or its same-stage dependency is not done
+                produced, arrived = sent[kind][i][c], 0
+                if produced is not None and rendezvous and following == Action(kind, i, c):
+                    span(2, produced, g1)
+                    continue
+                if produced is not None:
+                    arrived = produced + (0 if rendezvous else latency)
+                    span(2, produced, arrived)
+                free = max(arrived, unlocked[i]) if kind == FORWARD and c == 0 else arrived
+                span(1, arrived, free)  # a forward held by CSP alone once its input is here
+                span(0, free, g1)  # ready, but the stage runs something else first (fixed order)
+        level, t = [0, 0, 0], g0
+        for tick, which, step in sorted(events) + [(g1, 0, 0)]:
+            cause = next((c for c, on in zip(("order", "dependency", "communication"), level) if on), "data")
+            idle[cause] += tick - t
+            level[which] += step
+            t = tick
+
+    for a in order:
+        if start[(s, a)] > clock:
+            gap(clock, start[(s, a)], a)
+        busy += finish[(s, a)] - start[(s, a)]
+        clock = finish[(s, a)]
+        if a.kind != UPDATE:
+            done[a.kind][a.subnet] += 1
+    idle["data"] += sched.makespan - clock  # drained: waiting for the other stages to finish the window
+    events = sorted([(start[(s, Action(FORWARD, i, 0))], 1) for i in range(n)] +
+                    [(finish[(s, Action(UPDATE, i))], -1) for i in range(n)], key=lambda e: (e[0], e[1]))
+    depth = peak = area = 0
+    t = 0
+    for tick, step in events:
+        area += depth * (tick - t)
+        depth, t = depth + step, tick
+        peak = max(peak, depth)
+    return busy, idle, peak, area
+
+
+def table(predictions: Sequence[Prediction]) -> str:
+    """A plain-text table of predictions (the CLI's output); speed-up is against the 1-stage row (else the first)."""
+    base = next((p.subnets_per_s for p in predictions if p.stages == 1),
+                predictions[0].subnets_per_s if predictions else 1.0)
+    rows = [f"{'stages':>6} {'subnets/s':>10} {'samples/s':>10} {'speed-up':>8} {'bubble':>7} "
+            + " ".join(f"{c[:5]:>5}" for c in CAUSES) + f" {'in-flight max/mean':>19}"]
+    for p in predictions:
+        split = p.stall_split()
+        samples = "-" if p.samples_per_s is None else f"{p.samples_per_s:.0f}"
+        rows.append(f"{p.stages:>6} {p.subnets_per_s:>10.1f} {samples:>10} {p.subnets_per_s / base:>7.2f}x "
+                    f"{100 * p.bubble_ratio:>6.1f}% " + " ".join(f"{100 * split[c]:>4.0f}%" for c in CAUSES)
+                    + f" {max(p.inflight_max):>10} / {sum(p.inflight_mean) / p.stages:<6.2f}")
+    return "\n".join(rows)

@@ -1,0 +1,128 @@
+"""A short profile of a supernet's blocks: the :class:`~.space_spec.SpaceSpec` the planner predicts from.
+
+Every candidate of every block is timed forward and backward (CPU wall time by default, after a
+warm-up round) while training paths through the supernet that cycle through the candidates, so
+inputs have the right shapes and caches are as cold as in training (:mod:`.block_cost`, reduced
+with :func:`~.block_cost.candidate_ms`, as the stage split is). The optimizer step is timed as the
+engine runs it, and the engine's own per-action overhead on a stand-in of 1x1 ops. It runs on a copy
+of the supernet inside a forked RNG: the user's weights, gradients, buffers and the global RNG are
+left untouched. The costs that depend on the run rather than the space (Lightning's loop, the
+transport, shared cores) are passed in as ``**overheads``; ``benchmarks/overhead_harness.py``
+measures them.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_naspipe.engine import Engine
+from lightning_naspipe.planning.block_cost import time_paths
+from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, candidate_ms
+from lightning_naspipe.sampling import uniform_architecture
+from lightning_naspipe.supernet import ChoiceBlock, Supernet
+
+__all__ = ["profile_supernet"]
+
+OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+def _default_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+
+def profile_supernet(supernet: Supernet, sample_input: Any, repeats: int = 3,
+                     optimizer: OptimizerFactory = _default_optimizer, clock: Callable[[], float] = time.perf_counter,
+                     **overheads: float) -> SpaceSpec:
+    """Time each block's candidates, the optimizer update and the engine's own overhead.
+
+    Args:
+        supernet: the search space (not modified).
+        sample_input: what the first block receives for one subnet batch (``pipeline_input(batch)``);
+            costs scale with its size, so use the training batch size (per chunk costs are derived).
+        repeats: timed runs per candidate after one warm-up round; the fastest is kept.
+        optimizer: builds the training optimizer over a list of parameters (default SGD with momentum);
+            its step over a subnet's parameters, as the engine runs it, gives ``update_ms`` per resource.
+        clock: seconds now; wall time by default. On a machine shared with other jobs,
+            ``time.thread_time`` (this thread's CPU time) is steadier (one intra-op thread only).
+        **overheads: other :class:`SpaceSpec` fields (``message_ms``, ``step_overhead_ms``, ...), which
+            depend on the run, not the space; ``action_overhead_ms`` defaults to the engine's, measured.
+
+    Returns:
+        The space's :class:`SpaceSpec`, blocks and labels as in ``supernet``.
+    """
+    with torch.random.fork_rng(devices=[]):
+        blocks, update_ms = _profile_blocks(copy.deepcopy(supernet), sample_input, optimizer, repeats, clock)
+        if "action_overhead_ms" not in overheads:
+            overheads["action_overhead_ms"] = _engine_overhead(supernet, clock)
+        return SpaceSpec(blocks, update_ms=update_ms, **overheads)
+
+
+def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats: int,
+                    clock: Callable[[], float]) -> tuple[list[BlockSpec], float]:
+    """Per-candidate costs, and the update's per resource, training paths through every candidate."""
+    ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
+    times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())))
+    blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
+                        [CandidateSpec(candidate_ms(f), candidate_ms(b), _has_state(op))
+                         for op, f, b in zip(ops[i], times.forward[i], times.backward[i])])
+              for i, block in enumerate(net.blocks)]
+    return blocks, candidate_ms(times.update) if times.update else 0.0
+
+
+class _NullModule:
+    """The engine's view of a module whose compute is negligible: what remains is the engine's own work."""
+
+    naspipe_seed = 0
+    trainer = SimpleNamespace(lr_scheduler_configs=[], callback_metrics={})
+
+    def __init__(self, supernet: Supernet) -> None:
+        self.supernet = supernet
+        self.optimizer = _default_optimizer(list(self.supernet.parameters()))
+
+    def sample_subnet(self, index: int) -> dict[str, int]:
+        return uniform_architecture(self.supernet.labels, self.naspipe_seed, index)
+
+    def pipeline_input(self, batch: Any) -> Any:
+        return batch
+
+    def compute_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return output.sum()
+
+    def manual_backward(self, loss: Tensor) -> None:
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def optimizers(self) -> Any:
+        return SimpleNamespace(optimizer=self.optimizer, step=self.optimizer.step)
+
+
+def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4, subnets: int = 64) -> float:
+    """Milliseconds per action the one-stage engine spends beyond the profiled compute (bookkeeping,
+    sampling, scheduling, the loss call): a stand-in supernet with the same blocks, labels and candidate
+    counts but 1x1 linear ops, trained by the engine, minus its own profile."""
+    def tiny() -> nn.Module:
+        return nn.Linear(1, 1)
+    stand_in = Supernet(*[ChoiceBlock([tiny() for _ in b.candidates], b.label) if isinstance(b, ChoiceBlock)
+                          else tiny() for b in net.blocks])
+    module, engine = _NullModule(stand_in), Engine([range(len(stand_in))])
+    blocks, update_ms = _profile_blocks(copy.deepcopy(stand_in), torch.zeros(1, 1), _default_optimizer, 2, clock)
+    compute = sum(b.cost_ms for b in blocks)
+    compute += update_ms * len(blocks)
+    elapsed = []
+    for _ in range(4):
+        start = clock()
+        for first in range(0, subnets, window):
+            engine.train_window(module, [torch.zeros(1, 1)] * window, first)
+        elapsed.append(clock() - start)
+    return max(0.0, (1000 * statistics.median(elapsed[1:]) / subnets - compute) / 3)
+
+
+def _has_state(op: nn.Module) -> bool:
+    return any(True for _ in op.parameters()) or any(True for _ in op.buffers())

@@ -1,0 +1,117 @@
+"""A search space described by costs only: what the planner simulates and the profiler measures.
+
+Per block, per candidate: forward and backward milliseconds and whether it holds state (an
+optimizer update); plus the run's overheads, which depend on the machine rather than the space.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+__all__ = ["BlockSpec", "CandidateSpec", "SpaceSpec", "block_cost_ms", "candidate_ms", "wide_spec"]
+
+_OVERHEADS = ("update_ms", "action_overhead_ms", "message_ms", "message_cpu_ms", "parallel_slowdown",
+              "step_overhead_ms", "subnet_overhead_ms", "sync_ms")
+
+
+def candidate_ms(seconds: Sequence[float]) -> float:
+    """A candidate's cost from its timed rounds: the fastest, in milliseconds."""
+    return 1000 * min(seconds)
+
+
+def block_cost_ms(candidates_ms: Sequence[float]) -> float:
+    """A block's cost from its candidates' costs: their mean (what a uniform pick costs on average)."""
+    return sum(candidates_ms) / len(candidates_ms)
+
+
+@dataclass
+class CandidateSpec:
+    """One candidate op: ``forward_ms``/``backward_ms`` per subnet batch; ``stateful``: parameters or buffers."""
+
+    forward_ms: float
+    backward_ms: float
+    stateful: bool = True
+
+
+@dataclass
+class BlockSpec:
+    """A block: candidates; ``label`` ``None`` means a fixed block (exactly one candidate)."""
+
+    label: str | None
+    candidates: list[CandidateSpec]
+
+    @property
+    def cost_ms(self) -> float:
+        """Forward plus backward of a uniform pick: :func:`block_cost_ms` of the candidates."""
+        return block_cost_ms([c.forward_ms + c.backward_ms for c in self.candidates])
+
+
+@dataclass
+class SpaceSpec:
+    """A search space by costs. Blocks sharing a label share one decision, as in the supernet.
+
+    Attributes:
+        blocks: the blocks in order.
+        update_ms: optimizer step cost per stateful resource a subnet updates on a stage.
+        action_overhead_ms: the engine's own cost per action (F/B per chunk, and U).
+        message_ms: latency of a cross-stage message (activation or gradient).
+        message_cpu_ms: a stage's own time per message it sends or receives (serialising, copying).
+        parallel_slowdown: compute time multiplier while every stage computes at once (stages sharing
+            one host's cores, memory bandwidth or caches); 1 for independent devices. Applied in
+            proportion to how busy the stages are (a fixed point over the simulation).
+        step_overhead_ms: fixed cost per window (Lightning's loop, building the schedule).
+        subnet_overhead_ms: cost per subnet outside the pipeline (Lightning's logging and optimizer wrapper).
+        sync_ms: extra fixed cost per window with several stages (sharing losses, awaiting sends).
+    """
+
+    blocks: list[BlockSpec]
+    update_ms: float = 0.05
+    action_overhead_ms: float = 0.0
+    message_ms: float = 0.0
+    message_cpu_ms: float = 0.0
+    parallel_slowdown: float = 1.0
+    step_overhead_ms: float = 0.0
+    subnet_overhead_ms: float = 0.0
+    sync_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("a SpaceSpec needs at least one block")
+        for name in _OVERHEADS:
+            if not getattr(self, name) >= (1 if name == "parallel_slowdown" else 0):
+                raise ValueError(f"{name} must be >= {int(name == 'parallel_slowdown')}, got {getattr(self, name)!r}")
+        for i, block in enumerate(self.blocks):
+            if not block.candidates or (block.label is None and len(block.candidates) != 1):
+                raise ValueError(f"block {i} needs candidates, and exactly one when it is fixed (label None)")
+            if any(not (c.forward_ms >= 0 and c.backward_ms >= 0) for c in block.candidates):
+                raise ValueError(f"block {i} has a negative or NaN cost")
+        self.labels()  # equal candidate counts per label
+
+    def labels(self) -> dict[str, int]:
+        """Label -> candidate count, in first-appearance order (like ``Supernet.labels``)."""
+        labels: dict[str, int] = {}
+        for i, block in enumerate(self.blocks):
+            if block.label is not None and labels.setdefault(block.label, len(block.candidates)) != len(
+                    block.candidates):
+                raise ValueError(f"blocks sharing label {block.label!r} have different candidate counts (block {i})")
+        return labels
+
+    def to_json(self) -> str:
+        """Serialise to JSON (see :meth:`from_json`)."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpaceSpec:
+        """Parse :meth:`to_json`'s output."""
+        data = json.loads(text)
+        blocks = [BlockSpec(b["label"], [CandidateSpec(**c) for c in b["candidates"]]) for b in data.pop("blocks")]
+        return cls(blocks, **data)
+
+
+def wide_spec(candidates: int, blocks: int = 8, block_ms: float = 1.0, backward_ratio: float = 2.0,
+              **overheads: float) -> SpaceSpec:
+    """``benchmarks/overlap.py``'s shape: ``blocks`` choice blocks of ``candidates`` equal stateful ops."""
+    op = CandidateSpec(block_ms, block_ms * backward_ratio, True)
+    return SpaceSpec([BlockSpec(f"block{i}", [op] * candidates) for i in range(blocks)], **overheads)

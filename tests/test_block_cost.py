@@ -1,0 +1,44 @@
+"""One measurement, one reduction: the split, the profile and the planner see the same block costs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_naspipe as lnp
+from lightning_naspipe import block_timing
+from lightning_naspipe.planning import block_cost_ms, candidate_ms, profile, profile_supernet
+from lightning_naspipe.planning.block_cost import BlockFailure, PathTimes, time_paths
+
+
+def _net() -> lnp.Supernet:
+    return lnp.Supernet(nn.Linear(4, 8), lnp.ChoiceBlock([nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8)]),
+                        nn.Linear(8, 2))
+
+
+def test_time_paths_times_every_candidate_once_per_round() -> None:
+    ticks = itertools.count()
+    times = time_paths([[nn.Linear(4, 8)], [nn.Linear(8, 8), nn.ReLU()]], torch.randn(3, 4), repeats=2,
+                       clock=lambda: float(next(ticks)))
+    assert [len(k) for k in times.forward[1]] == [2, 2] and len(times.forward[0][0]) == 4  # warm-up dropped
+    assert all(v > 0 for block in times.forward for k in block for v in k)
+    with pytest.raises(BlockFailure, match="block 1"):
+        time_paths([[nn.Linear(4, 8)], [nn.Linear(5, 5)]], torch.randn(3, 4), repeats=1)
+
+
+def test_the_split_and_the_profile_reduce_the_same_timings_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fixed timings (seconds) per block, per candidate, per round; both consumers get the same ones.
+    forward = [[[0.004, 0.002]], [[0.003, 0.005], [0.001, 0.001], [0.009, 0.006]], [[0.002, 0.003]]]
+    backward = [[[0.001, 0.003]], [[0.006, 0.002], [0.0, 0.0], [0.004, 0.004]], [[0.001, 0.001]]]
+    fixed = PathTimes(forward, backward, [0.0005])
+    monkeypatch.setattr(block_timing, "time_paths", lambda ops, *a, **k: fixed)
+    monkeypatch.setattr(profile, "time_paths", lambda ops, *a, **k: fixed)
+    split = block_timing.timed_block_weights(_net(), torch.randn(2, 4), per_block=3)
+    spec = profile_supernet(_net(), torch.randn(2, 4), action_overhead_ms=0.0)
+    assert [b.cost_ms for b in spec.blocks] == pytest.approx([1000 * w for w in split], rel=1e-12)
+    expected = block_cost_ms([candidate_ms(f) + candidate_ms(b) for f, b in zip(forward[1], backward[1])])
+    # Each candidate: its fastest forward plus its fastest backward; the block: their mean.
+    assert spec.blocks[1].cost_ms == pytest.approx(expected) == pytest.approx((3 + 2 + 1 + 0 + 6 + 4) / 3)
