@@ -1,0 +1,162 @@
+"""The GPU check: the CUDA paths nothing else runs, in one command that prints one table.
+
+On a machine with a GPU, from the repository root (under 5 minutes on one GPU)::
+
+    python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py --device cpu --quick     # the same checks on CPU: a dry run
+
+Rows (each configuration runs in fresh processes, ``common.launch``):
+
+- ``exact gloo``: the zoo's NB201 and char-LM spaces, 1 device (the plain Trainer) against
+  2 stages as two processes on the *same* device with gloo on its tensors (one GPU cannot host two
+  NCCL ranks), weights compared bitwise (``Trainer(deterministic=True)``).
+- ``exact nccl``: the same with the stages on ``cuda:0`` and ``cuda:1`` over NCCL, where 2 GPUs exist.
+- ``offload``: 2 stages with ``offload=True`` (the CUDA side stream copies ahead of the schedule)
+  against the same run without it, bitwise; the prefetch hit rate, the stall time's share of the
+  run and the peak device bytes as a share of the stage's partition.
+- ``speed``: each zoo space, subnets/s of 2 stages over 1 device with default settings (2 GPUs and
+  NCCL where they exist, else two processes sharing one device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning_naspipe as lnp  # noqa: E402
+from common import Clock, add_common_args, launch, ok, ran_as_worker  # noqa: E402
+from zoo_spaces import SPACES, space  # noqa: E402
+
+EXACT_SPACES = ("nb201", "charlm")
+#: Where the exact rows' workers leave their weights (``main`` sets it).
+WEIGHTS_DIR = ""
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    """Train one configuration; rank 0 writes subnets/s, the stage metrics and the weights' file."""
+    chosen = space(cfg["space"], cfg["quick"])
+    device = torch.device(cfg["device"])
+    strategy: Any = "auto"
+    devices: Any = [device.index or 0] if device.type == "cuda" else 1
+    if cfg["stages"]:
+        # Two stages on one device: two entries of the same device; on two GPUs: cuda:0 and cuda:1.
+        parallel = [torch.device(d) for d in cfg["parallel_devices"]]
+        strategy = lnp.NASPipeStrategy(chunks=chosen.chunks, offload=cfg.get("offload", False),
+                                       process_group_backend=cfg["backend"], parallel_devices=parallel)
+    clock = Clock(chosen.warmup, 1)
+    trainer = pl.Trainer(accelerator=device.type, devices=devices, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
+                         deterministic=cfg["exact"])
+    module = chosen.model()
+    trainer.fit(module, chosen.data(cfg["subnets"] or chosen.subnets))
+    metrics = strategy.stage_metrics() if isinstance(strategy, lnp.NASPipeStrategy) else {}  # collective
+    if trainer.global_rank == 0:
+        if cfg["exact"]:
+            torch.save({k: v.cpu() for k, v in module.state_dict().items()}, cfg["weights"])
+        with open(cfg["out"], "w") as f:
+            json.dump({"subnets_per_s": clock.subnets / clock.elapsed, "metrics": metrics,
+                       "weights": cfg["weights"]}, f)
+
+
+def _config(name: str, device: str, quick: bool, stages: int = 0, backend: str = "gloo",
+            parallel: list[str] | None = None, exact: bool = False, offload: bool = False,
+            subnets: int = 0) -> dict[str, Any]:
+    weights = os.path.join(WEIGHTS_DIR, f"{name}-{stages}-{backend}-{offload}-{len(os.listdir(WEIGHTS_DIR))}.pt")
+    return {"weights": weights, "space": name, "device": device, "quick": quick, "stages": stages, "backend": backend,
+            "parallel_devices": parallel or [], "exact": exact, "offload": offload, "subnets": subnets,
+            "processes": max(stages, 1)}
+
+
+def _same_weights(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, str]:
+    first, second = torch.load(a["weights"]), torch.load(b["weights"])
+    differ = [k for k in first if not torch.equal(first[k], second[k])]
+    return not differ and first.keys() == second.keys(), f"{len(differ)} of {len(first)} tensors differ"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="small spaces, fewer subnets")
+    parser.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(SPACES),
+                        help="the zoo spaces of the speed rows")
+    add_common_args(parser)
+    args = parser.parse_args()
+    if ran_as_worker(args, worker):
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device here; run it on a GPU machine, or --device cpu for a dry run.")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    one = "cuda:0" if args.device == "cuda" else "cpu"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, inherited by workers
+    rows: list[tuple[str, str, str, str]] = []
+    started = time.monotonic()
+
+    def run(cfg: dict[str, Any]) -> dict[str, Any]:
+        result = launch(__file__, cfg, timeout=300)
+        if not ok(result):
+            print(f"[gpu_check] {cfg['space']} stages={cfg['stages']} failed: {result['error']}", file=sys.stderr)
+        return result
+
+    def exact_rows(label: str, backend: str, parallel: list[str]) -> None:
+        for name in EXACT_SPACES:
+            subnets = 32 if args.quick else 64
+            base = run(_config(name, one, args.quick, exact=True, subnets=subnets))
+            piped = run(_config(name, one, args.quick, 2, backend, parallel, exact=True, subnets=subnets))
+            if ok(base) and ok(piped):
+                same, detail = _same_weights(base, piped)
+                rows.append((label, name, "bitwise" if same else "DIFFERS", detail))
+            else:
+                rows.append((label, name, "FAILED", base.get("error", piped.get("error", ""))[:80]))
+
+    exact_rows("exact gloo (2 processes, one device)", "gloo", [one, one])
+    if gpus >= 2:
+        exact_rows("exact nccl (2 GPUs)", "nccl", ["cuda:0", "cuda:1"])
+    else:
+        rows.append(("exact nccl (2 GPUs)", "-", "skipped", f"{gpus} GPU(s) here"))
+    for name in EXACT_SPACES[:1]:
+        plain = run(_config(name, one, args.quick, 2, "gloo", [one, one], exact=True, subnets=32))
+        offloaded = run(_config(name, one, args.quick, 2, "gloo", [one, one], exact=True, offload=True, subnets=32))
+        if ok(plain) and ok(offloaded):
+            same, detail = _same_weights(plain, offloaded)
+            m = offloaded["metrics"]
+            hits, misses = m.get("offload/prefetch_hits_stage0", 0), m.get("offload/prefetch_misses_stage0", 0)
+            peak = m.get("offload/peak_device_bytes_stage0", 0) / max(m.get("offload/partition_bytes_stage0", 1), 1)
+            rows.append(("offload (side stream)", name, "bitwise" if same else "DIFFERS",
+                         f"{detail}; prefetch hits {f'{hits / (hits + misses):.0%}' if hits + misses else 'n/a'}, stall "
+                         f"{m.get('offload/stall_seconds_stage0', 0):.2f} s, peak {peak:.0%} of partition"))
+        else:
+            rows.append(("offload (side stream)", name, "FAILED", offloaded.get("error", plain.get("error", ""))[:80]))
+    two = ("nccl", ["cuda:0", "cuda:1"], "2 GPUs, nccl") if gpus >= 2 else ("gloo", [one, one], "one device")
+    for name in args.spaces:
+        base = run(_config(name, one, args.quick))
+        piped = run(_config(name, one, args.quick, 2, two[0], two[1]))
+        if ok(base) and ok(piped):
+            rows.append((f"speed ({two[2]})", name, f"{piped['subnets_per_s'] / base['subnets_per_s']:.2f}x",
+                         f"{base['subnets_per_s']:.1f} -> {piped['subnets_per_s']:.1f} subnets/s"))
+        else:
+            rows.append((f"speed ({two[2]})", name, "FAILED", piped.get("error", base.get("error", ""))[:80]))
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"\ngpu_check on {name} ({gpus} GPU(s)), torch {torch.__version__}, {time.monotonic() - started:.0f} s\n")
+    print("| check | space | result | detail |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as folder:
+        WEIGHTS_DIR = folder
+        main()
