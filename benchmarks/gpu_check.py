@@ -132,8 +132,9 @@ def main() -> None:
             m = offloaded["metrics"]
             hits, misses = m.get("offload/prefetch_hits_stage0", 0), m.get("offload/prefetch_misses_stage0", 0)
             peak = m.get("offload/peak_device_bytes_stage0", 0) / max(m.get("offload/partition_bytes_stage0", 1), 1)
+            hit_rate = f"{hits / (hits + misses):.0%}" if hits + misses else "n/a (no copies)"
             rows.append(("offload (side stream)", name, "bitwise" if same else "DIFFERS",
-                         f"{detail}; prefetch hits {f'{hits / (hits + misses):.0%}' if hits + misses else 'n/a'}, stall "
+                         f"{detail}; prefetch hits {hit_rate}, stall "
                          f"{m.get('offload/stall_seconds_stage0', 0):.2f} s, peak {peak:.0%} of partition"))
         else:
             rows.append(("offload (side stream)", name, "FAILED", offloaded.get("error", plain.get("error", ""))[:80]))
