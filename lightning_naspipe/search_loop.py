@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from lightning_naspipe.choice import Architecture
 from lightning_naspipe.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.freezing import recalibrate_batchnorm
+from lightning_naspipe.search_log import append_log, fingerprint, read_log
 from lightning_naspipe.search_plot import pareto_front, plot_search
 from lightning_naspipe.searchers import Record, Searcher, architecture_key, ranking_key
 from lightning_naspipe.supernet import Supernet, supernet_of
@@ -128,7 +129,10 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
     metric = getattr(model, "search_metric", None)
     maximize = bool(getattr(model, "search_higher_is_better", True)) if metric is not None else False
     score = _Scorer(model, supernet, batches, calibration_batches, metric)
-    logged = read_log(log_path, repair=rank == 0) if log_path is not None else []
+    # What the scores depend on besides the architecture: a log written for anything else is refused.
+    key = fingerprint(supernet, batches, calibration_batches, searcher, max_params, max_flops, constraint,
+                      metric is not None)
+    logged = read_log(log_path, key, repair=rank == 0) if log_path is not None else []
     history: list[Record] = []
     # Each architecture's (score, params, FLOPs), evaluated once.
     scores: dict[tuple[tuple[str, int], ...], tuple[float, int, int]] = {}
@@ -162,7 +166,7 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
             if rank == 0:
                 fresh = [r for r in new if r.index >= len(logged)]
                 if log_path is not None:
-                    append_log(log_path, fresh)
+                    append_log(log_path, fresh, key)
                 _log(trainer, history, fresh, maximize)
             progress.update(len(new))
     finally:
@@ -245,37 +249,6 @@ def _shared(batches: Iterable[Any], rank: int, world: int, device: torch.device)
         mine = broadcast_object(mine, 0, device)
     assert mine is not None
     return [map_tensors(lambda t: t.to(device), b) for b in mine]
-
-
-def read_log(path: str | os.PathLike[str], repair: bool = False) -> list[Record]:
-    """The records of a search log. A last line cut short by a kill is ignored, and with ``repair``
-    cut off the file, so that appending goes on from the last whole record."""
-    file = Path(path)
-    if not file.exists():
-        return []
-    data = file.read_bytes()
-    whole = data[:data.rfind(b"\n") + 1]  # each record's write ends with its newline
-    if repair and len(whole) < len(data):
-        os.truncate(file, len(whole))
-    records = []
-    for n, line in enumerate(whole.splitlines(), 1):
-        try:
-            records.append(Record(**json.loads(line)))
-        except (ValueError, TypeError) as error:
-            raise NASPipeConfigError(f"Search log {path} line {n} is not a record ({error}); it is not a log "
-                                     "lnp.search wrote, or it was edited. Pass another log_path.") from error
-    return records
-
-
-def append_log(path: str | os.PathLike[str], records: Sequence[Record]) -> None:
-    """Append ``records`` to a search log and make them durable."""
-    if not records:
-        return
-    with open(path, "a") as file:
-        for record in records:
-            file.write(json.dumps(asdict(record)) + "\n")  # repr-exact floats
-        file.flush()
-        os.fsync(file.fileno())
 
 
 def _log(trainer: Any, history: list[Record], fresh: list[Record], maximize: bool) -> None:

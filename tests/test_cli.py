@@ -87,6 +87,7 @@ def test_search_without_a_checkpoint_says_so(digits: ModuleType, tmp_path: Path)
                          "--trainer.default_root_dir", str(tmp_path), *QUIET])
 
 
+@pytest.mark.usefixtures("clean_argv")
 @pytest.mark.parametrize("namespace", installed(), ids=lambda ns: ns.name)
 def test_each_namespace_gets_its_own_cli_and_trainer(namespace: Any) -> None:
     cli = _cli_class(namespace)

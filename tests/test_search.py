@@ -83,9 +83,9 @@ def test_a_resumed_search_equals_the_uninterrupted_one_and_evaluates_nothing_twi
     searcher = lnp.EvolutionSearch(population=5, sample_size=2, cycles=7, seed=4)
     full = lnp.search(trainer, model, searcher, loader, log_path=tmp_path / "full.jsonl")
     lines = (tmp_path / "full.jsonl").read_text().splitlines()
-    assert len(lines) == 12
+    assert len(lines) == 1 + 12 and "fingerprint" in lines[0]  # the header, then one record per evaluation
     # Killed after 6 records, halfway through writing the 7th.
-    (tmp_path / "cut.jsonl").write_text("\n".join(lines[:6]) + "\n" + lines[6][:20])
+    (tmp_path / "cut.jsonl").write_text("\n".join(lines[:7]) + "\n" + lines[7][:20])
     evaluated: list[dict[str, int]] = []
     score = search_loop._Scorer.__call__
     monkeypatch.setattr(search_loop._Scorer, "__call__",
@@ -95,9 +95,31 @@ def test_a_resumed_search_equals_the_uninterrupted_one_and_evaluates_nothing_twi
     fresh = {json.dumps(r.architecture, sort_keys=True) for r in full.history[6:]}
     previous = {json.dumps(r.architecture, sort_keys=True) for r in full.history[:6]}
     assert len(evaluated) == len(fresh - previous)
-    assert (tmp_path / "cut.jsonl").read_text().splitlines()[6:] == lines[6:]
-    with pytest.raises(lnp.NASPipeConfigError, match="another searcher, seed or checkpoint"):
-        lnp.search(trainer, model, lnp.EvolutionSearch(5, 2, 7, seed=5), loader, log_path=tmp_path / "cut.jsonl")
+    assert (tmp_path / "cut.jsonl").read_text().splitlines() == lines
+
+
+def test_a_log_written_for_other_weights_data_or_settings_is_refused(trained: tuple[Any, Any],
+                                                                     tmp_path: Path) -> None:
+    model, trainer = trained
+    loader = toy_loader(samples=24, shuffle=False)
+    searcher = lnp.RandomSearch(4, seed=1)
+    log = tmp_path / "search.jsonl"
+    first = lnp.search(trainer, model, searcher, loader, log_path=log)
+    assert lnp.search(trainer, model, searcher, loader, log_path=log).history == first.history  # same: resumed
+    others = {"seed": dict(searcher=lnp.RandomSearch(4, seed=2)),
+              "data": dict(dataloader=toy_loader(samples=16, shuffle=False)),
+              "constraint": dict(max_params=10**9)}
+    for what, change in others.items():
+        arguments: dict[str, Any] = dict(searcher=searcher, dataloader=loader, log_path=log) | change
+        with pytest.raises(lnp.NASPipeConfigError, match="written for other weights"):
+            lnp.search(trainer, model, **arguments)
+    changed = ToyNet()
+    changed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        next(changed.supernet.parameters()).view(-1)[0] += 1e-6  # one weight, one ulp-ish step
+    with pytest.raises(lnp.NASPipeConfigError, match="written for other weights"):
+        lnp.search(trainer, changed, searcher, loader, log_path=log)
+    assert log.read_text().count("\n") == 1 + 4  # nothing appended by the refused searches
 
 
 class _Accuracy(ToyNet):  # type: ignore[misc, valid-type]
