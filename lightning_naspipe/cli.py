@@ -91,7 +91,7 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
         calibration_batches: recompute each candidate's BatchNorm statistics on this many training
             batches first (0: keep the supernet's statistics).
         max_params: only subnets with at most this many parameters.
-        max_flops: only subnets with at most this many FLOPs per forward of the first batch.
+        max_flops: only subnets with at most this many FLOPs per sample.
         log_path: a JSON-lines log of the evaluations; an interrupted search resumes from it.
         plot_path: write a PNG of score against FLOPs with the Pareto front here (needs matplotlib).
         export_path: save the best subnet here (``lightning_naspipe.save_subnet``).
