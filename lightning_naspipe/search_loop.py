@@ -130,8 +130,8 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
     maximize = bool(getattr(model, "search_higher_is_better", True)) if metric is not None else False
     score = _Scorer(model, supernet, batches, calibration_batches, metric)
     # What the scores depend on besides the architecture: a log written for anything else is refused.
-    key = fingerprint(supernet, batches, calibration_batches, searcher, max_params, max_flops, constraint,
-                      metric is not None)
+    key = None if log_path is None else fingerprint(supernet, batches, calibration_batches, searcher, max_params,
+                                                     max_flops, constraint, metric is not None)
     logged = read_log(log_path, key, repair=rank == 0) if log_path is not None else []
     history: list[Record] = []
     # Each architecture's (score, params, FLOPs), evaluated once.
