@@ -23,6 +23,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightning_naspipe.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
 
@@ -50,6 +51,8 @@ class StageProcesses(_StrategyBase):
     _process_group_backend: str | None
     _start_method: Literal["popen", "spawn", "fork", "forkserver"]
     _num_nodes: int
+    #: The CPU affinity before this process pinned itself (``_pin_to_cores``); restored at teardown.
+    _affinity_before: set[int] | None = None
 
     @property
     @override
@@ -121,6 +124,7 @@ class StageProcesses(_StrategyBase):
         if children:
             atexit.register(reap, children)
         if self.world_size > 1:
+            self._pin_to_cores()  # before the process group starts its threads: they inherit the pinning
             distributed = self._distributed()
             self.set_world_ranks()
             backend = self._process_group_backend or distributed._get_default_process_group_backend_for_device(
@@ -131,6 +135,21 @@ class StageProcesses(_StrategyBase):
             if backend != "nccl":  # Lightning registers this for NCCL only; an undestroyed gloo group
                 atexit.unregister(distributed._destroy_dist_connection)  # sometimes aborts the process at exit
                 atexit.register(distributed._destroy_dist_connection)  # (once, however many fits)
+
+    def _pin_to_cores(self) -> None:
+        """On CPU, pin this stage process to its own share of the cores (see :mod:`.affinity`)."""
+        if self.root_device.type != "cpu" or not hasattr(os, "sched_setaffinity"):
+            return
+        cores = core_share(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes,
+                           torch.get_num_threads())
+        if cores is not None:
+            self._affinity_before = pin_process(cores)
+
+    def teardown(self) -> None:
+        if self._affinity_before is not None:  # e.g. a notebook's process, started with start_method="fork"
+            pin_process(sorted(self._affinity_before))
+            self._affinity_before = None
+        super().teardown()  # type: ignore[misc]
 
     # -- collectives ----------------------------------------------------------------------------
 

@@ -54,6 +54,8 @@ class NASPipeStrategy(NamespaceBinding):
     ``global_step``, ``max_steps`` and the progress bar count subnets while
     ``limit_train_batches`` counts windows. Every stage sees the same batches.
 
+    On CPU each stage process pins itself to its own share of the cores (see :mod:`.affinity`).
+
     Both ``lightning.pytorch`` and ``pytorch_lightning`` Trainers accept it. A new instance serves
     either: the Trainer that takes it binds it to its namespace (its class becomes
     ``LightningNASPipeStrategy`` or ``PytorchLightningNASPipeStrategy``), so use one instance per Trainer.

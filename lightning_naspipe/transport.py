@@ -5,7 +5,9 @@ point-to-point messages are with gloo and NCCL. The receiver knows the sender's 
 window's schedule (every process computes the same schedule), so it receives in that order and
 buffers messages it does not need yet; the schedule's replay check guarantees this cannot hang.
 Sends are asynchronous and awaited at the end of the window, so a stage computes while its
-outputs are in flight.
+outputs are in flight. Receives are posted ahead: as soon as a link's previous message has arrived,
+the next one the schedule names is posted, so the bytes land while the stage computes and the
+hand-over is off the critical path.
 
 A value is anything a block may pass on (see :mod:`.boundary`), sent as one message that
 carries its own header (see :mod:`.wire`); the receiver gets what :func:`.boundary.cut` would
@@ -57,6 +59,8 @@ class P2PTransport:
         # Per incoming link: the (subnet, chunk) sequence still to arrive, and early arrivals.
         self._expected: dict[str, list[tuple[int, int]]] = {"forward": [], "backward": []}
         self._buffer: dict[str, dict[tuple[int, int], Any]] = {"forward": {}, "backward": {}}
+        # Per incoming link: the receive posted ahead for its next expected message, (work, buffer).
+        self._posted: dict[str, tuple[Any, Tensor] | None] = {"forward": None, "backward": None}
         # ("to" | "from", peer stage) -> bytes of the link's last message: the size expected next.
         self._link_size: dict[tuple[str, int], int] = {}
         #: Point-to-point messages this stage has sent (values plus size announcements).
@@ -74,8 +78,10 @@ class P2PTransport:
         """Learn the order in which the neighbours will send during this window."""
         if self.stage > 0:
             self._expected["forward"] = list(schedule.sends(self.stage - 1, "forward"))[::-1]
+            self._post("forward", self.stage - 1)
         if self.stage < len(self.ranks) - 1:
             self._expected["backward"] = list(schedule.sends(self.stage + 1, "backward"))[::-1]
+            self._post("backward", self.stage + 1)
 
     def end_window(self) -> None:
         """Wait until every message this stage sent has been delivered."""
@@ -147,29 +153,38 @@ class P2PTransport:
             expected = self._expected[link]
             if not expected:
                 raise RuntimeError(f"stage {self.stage} waits for {link} message {key} that the schedule never sends")
-            buffer[expected.pop()] = self._recv(stage)
+            posted, self._posted[link] = self._posted[link], None
+            buffer[expected.pop()] = self._recv(stage, posted)
+            self._post(link, stage)
         return buffer.pop(key)
 
-    def _recv(self, stage: int) -> Any:
-        src = self.ranks[stage]
-        size = self._link_size.get(("from", stage), wire_format.FIRST_SIZE)
+    def _post(self, link: str, stage: int) -> None:
+        """Post the receive of ``link``'s next expected message, if the window has one more."""
+        if self._expected[link] and self._posted[link] is None:
+            self._posted[link] = self._irecv(self._link_size.get(("from", stage), wire_format.FIRST_SIZE), stage)
+
+    def _irecv(self, size: int, stage: int) -> tuple[Any, Tensor]:
         message = torch.empty(size, dtype=torch.uint8, device=self._wire_device())
-        self._recv_into(message, src, stage)
+        try:
+            return dist.irecv(message, self.ranks[stage]), message
+        except RuntimeError as error:
+            raise self._lost(stage, self.ranks[stage], error) from error
+
+    def _recv(self, stage: int, posted: tuple[Any, Tensor] | None = None) -> Any:
+        src = self.ranks[stage]
+        work, message = posted or self._irecv(self._link_size.get(("from", stage), wire_format.FIRST_SIZE), stage)
+        self._await(work, src, stage)
         announced = wire_format.resized(message)
         if announced is not None:
-            message = torch.empty(announced, dtype=torch.uint8, device=self._wire_device())
-            self._recv_into(message, src, stage)
+            work, message = self._irecv(announced, stage)
+            self._await(work, src, stage)
             self._link_size[("from", stage)] = announced
         value = wire_format.unpack(message)
         if message.device == self.device:
             return value
         return map_tensors(lambda t: t.detach().to(self.device).requires_grad_(t.requires_grad), value)
 
-    def _recv_into(self, tensor: Tensor, src: int, stage: int) -> None:
-        try:
-            work = dist.irecv(tensor, src)
-        except RuntimeError as error:
-            raise self._lost(stage, src, error) from error
+    def _await(self, work: Any, src: int, stage: int) -> None:
         start = time.perf_counter()
         self._wait(work, f"receive from stage {stage} (rank {src})", stage=stage, rank=src)
         end = time.perf_counter()
