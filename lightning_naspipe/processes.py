@@ -149,7 +149,7 @@ class StageProcesses(_StrategyBase):
         if self._affinity_before is not None:  # e.g. a notebook's process, started with start_method="fork"
             pin_process(sorted(self._affinity_before))
             self._affinity_before = None
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
     # -- collectives ----------------------------------------------------------------------------
 
