@@ -219,4 +219,5 @@ class Engine:
         for p in params:
             p.grad = None
         trainer = module.trainer
-        step_schedulers(trainer.lr_scheduler_configs, "step", index + 1, trainer.callback_metrics)
+        if trainer.lr_scheduler_configs:  # callback_metrics alone costs tens of microseconds per update
+            step_schedulers(trainer.lr_scheduler_configs, "step", index + 1, trainer.callback_metrics)

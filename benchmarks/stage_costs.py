@@ -1,0 +1,111 @@
+"""Where a subnet's time goes on each stage: every engine call timed in the run (ms per subnet).
+
+    python benchmarks/stage_costs.py --stages 2     # NASPipeStrategy(window=8) on 2 stage processes
+    python benchmarks/stage_costs.py --stages 0     # the plain one-device Trainer
+
+Wraps the executor's forward/backward, the update, the transport's send and receive (pack, isend,
+irecv, unpack, the wait) and the per-window collectives with ``perf_counter`` accumulators, and prints
+each rank's ms per subnet (docs/benchmarks.md, section 6). The wrappers add about a microsecond a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import lightning_naspipe as lnp
+import lightning_naspipe.engine as engine
+import lightning_naspipe.executor as executor
+import lightning_naspipe.preemption as preemption
+import lightning_naspipe.supernet as supernet
+import lightning_naspipe.transport as transport
+import lightning_naspipe.wire as wire
+from common import add_common_args, fit_timed, launch, ran_as_worker
+from zoo_spaces import SPACES, space
+
+SECONDS: defaultdict[str, float] = defaultdict(float)
+CALLS: defaultdict[str, int] = defaultdict(int)
+
+
+def timed(owner: Any, name: str, key: str) -> None:
+    """Replace ``owner.name`` by a wrapper that adds its time to ``SECONDS[key]``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            SECONDS[key] += time.perf_counter() - start
+            CALLS[key] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def instrument() -> None:
+    for owner, name, key in [
+        (engine.Engine, "run_window", "run_window"), (engine, "plan_window", "plan_window"),
+        (executor.StageExecutor, "_forward", "F"), (executor.StageExecutor, "_backward", "B"),
+        (engine.Engine, "update", "U"), (supernet.Supernet, "run_block", "F.run_block"),
+        (executor, "backward_through", "B.backward_through"), (transport.P2PTransport, "_send", "send"),
+        (wire, "pack", "send.pack"), (transport.dist, "isend", "send.isend"),
+        (transport.P2PTransport, "_recv", "recv (with wait)"), (transport.dist, "irecv", "recv.irecv"),
+        (transport.P2PTransport, "_await", "recv.await"), (wire, "unpack", "recv.unpack"),
+        (transport.P2PTransport, "end_window", "end_window"), (transport.P2PTransport, "share_losses", "share_losses"),
+        (preemption.SigtermAgreement, "agree", "sigterm_agree"),
+    ]:
+        timed(owner, name, key)
+    started: list[float] = []
+
+    def garbage_collector(phase: str, info: Any) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        else:
+            SECONDS["gc"] += time.perf_counter() - started.pop()
+            CALLS["gc"] += 1
+
+    gc.callbacks.append(garbage_collector)
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    instrument()
+    chosen = space(cfg["space"], False)
+    strategy: Any = lnp.NASPipeStrategy(window=cfg["window"]) if cfg["stages"] else "auto"
+    fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, max(cfg["stages"], 1))
+    report = {key: (SECONDS[key] / cfg["subnets"] * 1e3, CALLS[key]) for key in SECONDS}
+    wait = getattr(getattr(getattr(strategy, "engine", None), "transport", None), "wait_s", None)
+    if wait is not None:
+        report["transport wait"] = (wait / cfg["subnets"] * 1e3, 0)
+    with open(f"{cfg['outdir']}.rank{os.environ.get('RANK', 0)}", "w") as f:
+        json.dump(report, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--space", default="wide_mlp_8ms", choices=list(SPACES))
+    parser.add_argument("--stages", type=int, default=2, help="0: the plain one-device Trainer")
+    parser.add_argument("--window", type=int, default=8)
+    add_common_args(parser)
+    args = parser.parse_args()
+    if ran_as_worker(args, worker):
+        return
+    chosen = space(args.space, False)
+    out = f"/tmp/stage_costs_{args.space}_{args.stages}.json"
+    cfg = {"space": chosen.name, "stages": args.stages, "processes": max(args.stages, 1), "subnets": chosen.subnets,
+           "warmup": chosen.warmup, "batch": chosen.batch, "window": args.window, "outdir": out}
+    result = launch(__file__, cfg)
+    print(f"{result.get('subnets_per_s', float('nan')):.2f} subnets/s steady state {result.get('error', '')}")
+    for rank in range(max(args.stages, 1)):
+        print(f"rank {rank}:")
+        with open(f"{out}.rank{rank}") as f:
+            for key, (ms, calls) in sorted(json.load(f).items()):
+                print(f"  {key:22s} {ms:8.3f} ms/subnet  ({calls} calls)")
+
+
+if __name__ == "__main__":
+    main()
