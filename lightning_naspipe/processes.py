@@ -145,6 +145,7 @@ class StageProcesses(_StrategyBase):
         if cores is not None:
             self._affinity_before = pin_process(cores)
 
+    @override
     def teardown(self) -> None:
         if self._affinity_before is not None:  # e.g. a notebook's process, started with start_method="fork"
             pin_process(sorted(self._affinity_before))

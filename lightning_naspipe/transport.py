@@ -161,9 +161,12 @@ class P2PTransport:
     def _post(self, link: str, stage: int) -> None:
         """Post the receive of ``link``'s next expected message, if the window has one more."""
         if self._expected[link] and self._posted[link] is None:
-            self._posted[link] = self._irecv(self._link_size.get(("from", stage), wire_format.FIRST_SIZE), stage)
+            self._posted[link] = self._irecv(stage)
 
-    def _irecv(self, size: int, stage: int) -> tuple[Any, Tensor]:
+    def _irecv(self, stage: int, size: int | None = None) -> tuple[Any, Tensor]:
+        """Post a receive from ``stage`` of ``size`` bytes (default: the size that link expects next)."""
+        if size is None:
+            size = self._link_size.get(("from", stage), wire_format.FIRST_SIZE)
         message = torch.empty(size, dtype=torch.uint8, device=self._wire_device())
         try:
             return dist.irecv(message, self.ranks[stage]), message
@@ -172,11 +175,11 @@ class P2PTransport:
 
     def _recv(self, stage: int, posted: tuple[Any, Tensor] | None = None) -> Any:
         src = self.ranks[stage]
-        work, message = posted or self._irecv(self._link_size.get(("from", stage), wire_format.FIRST_SIZE), stage)
+        work, message = posted or self._irecv(stage)
         self._await(work, src, stage)
         announced = wire_format.resized(message)
         if announced is not None:
-            work, message = self._irecv(announced, stage)
+            work, message = self._irecv(stage, announced)
             self._await(work, src, stage)
             self._link_size[("from", stage)] = announced
         value = wire_format.unpack(message)
