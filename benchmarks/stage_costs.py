@@ -3,8 +3,8 @@
     python benchmarks/stage_costs.py --stages 2     # NASPipeStrategy(window=8) on 2 stage processes
     python benchmarks/stage_costs.py --stages 0     # the plain one-device Trainer
 
-Wraps the executor's forward/backward, the update, the transport's send and receive (pack, isend,
-irecv, unpack, the wait) and the per-window collectives with ``perf_counter`` accumulators, and prints
+Wraps the executor's forward/backward, the update, the transport's send and receive (pack, isend or the
+shared-memory write, irecv, unpack, the wait) and the per-window collectives with ``perf_counter`` accumulators, and prints
 each rank's ms per subnet (docs/benchmarks.md, section 6). The wrappers add about a microsecond a call.
 """
 
@@ -22,7 +22,9 @@ import lightning_naspipe as lnp
 import lightning_naspipe.engine as engine
 import lightning_naspipe.executor as executor
 import lightning_naspipe.preemption as preemption
+import lightning_naspipe.shm_links as shm_links
 import lightning_naspipe.supernet as supernet
+import lightning_naspipe.torch_links as torch_links
 import lightning_naspipe.transport as transport
 import lightning_naspipe.wire as wire
 from common import add_common_args, fit_timed, launch, ran_as_worker
@@ -52,10 +54,11 @@ def instrument() -> None:
         (engine.Engine, "run_window", "run_window"), (engine, "plan_window", "plan_window"),
         (executor.StageExecutor, "_forward", "F"), (executor.StageExecutor, "_backward", "B"),
         (engine.Engine, "update", "U"), (supernet.Supernet, "run_block", "F.run_block"),
-        (executor, "backward_through", "B.backward_through"), (transport.P2PTransport, "_send", "send"),
-        (wire, "pack", "send.pack"), (transport.dist, "isend", "send.isend"),
-        (transport.P2PTransport, "_recv", "recv (with wait)"), (transport.dist, "irecv", "recv.irecv"),
-        (transport.P2PTransport, "_await", "recv.await"), (wire, "unpack", "recv.unpack"),
+        (executor, "backward_through", "B.backward_through"), (torch_links.TorchLinks, "send", "send"),
+        (shm_links.SharedMemoryLinks, "send", "send"), (wire, "pack", "send.pack"),
+        (transport.dist, "isend", "send.isend"), (transport.P2PTransport, "_recv", "recv (with wait)"),
+        (transport.dist, "irecv", "recv.irecv"), (torch_links.TorchLinks, "_await", "recv.await"),
+        (shm_links.SharedMemoryLinks, "_read_note", "recv.await"), (wire, "unpack", "recv.unpack"),
         (transport.P2PTransport, "end_window", "end_window"), (transport.P2PTransport, "share_losses", "share_losses"),
         (preemption.SigtermAgreement, "agree", "sigterm_agree"),
     ]:

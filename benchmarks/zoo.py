@@ -46,6 +46,8 @@ BASE, STAGES, PAIR = "1 device", "2 stages", "pair"
 CONFIGS = (BASE, STAGES, PAIR)
 #: One round of one space: the 1-device and 2-stage results, and the pair's two results.
 Round = dict[str, Any]
+#: How the 2-stage runs move messages (``--transport``; the default is the strategy's).
+TRANSPORT = {"kind": "auto"}
 
 
 def worker(cfg: dict[str, Any]) -> None:
@@ -53,7 +55,8 @@ def worker(cfg: dict[str, Any]) -> None:
     chosen = space(cfg["space"], cfg["quick"])
     strategy: Any = "auto"
     if cfg["stages"]:
-        strategy = lnp.NASPipeStrategy(chunks=chosen.chunks, telemetry=cfg.get("telemetry", False))
+        strategy = lnp.NASPipeStrategy(chunks=chosen.chunks, telemetry=cfg.get("telemetry", False),
+                                       transport=cfg["transport"])
     fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, max(cfg["stages"], 1))
     if isinstance(strategy, lnp.NASPipeStrategy) and strategy.is_global_zero:
         add_to_result(cfg["out"], split=[len(r) for r in strategy.stage_ranges])
@@ -70,7 +73,8 @@ def add_to_result(path: str, **entries: Any) -> None:
 def config(chosen: Space, quick: bool, stages: int, telemetry: bool = False) -> dict[str, Any]:
     """The worker configuration of one run."""
     return {"space": chosen.name, "quick": quick, "stages": stages, "processes": max(stages, 1),
-            "subnets": chosen.subnets, "warmup": chosen.warmup, "batch": chosen.batch, "telemetry": telemetry}
+            "subnets": chosen.subnets, "warmup": chosen.warmup, "batch": chosen.batch, "telemetry": telemetry,
+            "transport": TRANSPORT["kind"]}
 
 
 def run_together(cfgs: list[dict[str, Any]]) -> list[Result]:
@@ -210,12 +214,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer subnets, 1 round by default")
     parser.add_argument("--telemetry", action="store_true", help="also one untimed 2-stage run with telemetry")
     parser.add_argument("--plot", default="docs/zoo.png")
+    parser.add_argument("--transport", choices=["auto", "shared_memory", "torch"], default="auto",
+                        help="NASPipeStrategy(transport=...) of the 2-stage runs (default: the strategy's default)")
     add_common_args(parser)
     parser.set_defaults(repeats=None)  # rounds: 3, or 1 with --quick
     args = parser.parse_args()
     if ran_as_worker(args, worker):
         return
     rounds = args.repeats or (1 if args.quick else 3)
+    TRANSPORT["kind"] = args.transport
     chosen = [space(name, args.quick) for name in args.spaces]
     shapes = {s.name: shape(s) for s in chosen}
     print(f"space zoo, default settings{' (--quick)' if args.quick else ''}; {machine()}")

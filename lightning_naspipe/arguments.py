@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.schedule import SCHEDULES
+from lightning_naspipe.transport import TRANSPORTS
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -87,5 +88,6 @@ def check_all(arguments: dict[str, Any]) -> dict[str, Any]:
     folder("trace_dir", arguments["trace_dir"], "where the Chrome trace and timeline are written")
     choice("process_group_backend", arguments["process_group_backend"], [None, *BACKENDS],
            "the torch.distributed backend (None: gloo on CPU, NCCL on CUDA)")
+    choice("transport", arguments["transport"], list(TRANSPORTS), "how activations and gradients travel between stages")
     choice("start_method", arguments["start_method"], list(START_METHODS), "how the stage processes start")
     return {"balance": balance(arguments["balance"]), "timeout": timeout(arguments["timeout"])}

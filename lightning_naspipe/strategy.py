@@ -97,6 +97,10 @@ class NASPipeStrategy(NamespaceBinding):
         timeout: how long a stage waits for a neighbour or a collective before it declares
             that stage lost and fails the run; a number is seconds.
         process_group_backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default: gloo on CPU, NCCL on CUDA.
+        transport: how activations and gradients travel between stages: ``"auto"`` (shared memory
+            when every stage runs on one host and the backend is not NCCL, else ``torch.distributed``),
+            ``"shared_memory"`` (an error where it cannot be used) or ``"torch"`` (point-to-point calls of
+            the process group). Results never depend on it.
         start_method: ``"popen"`` (re-run the script per process, Lightning's default) or
             ``"spawn"``/``"fork"``/``"forkserver"`` (multiprocessing, e.g. for notebooks).
         accelerator: set by the Trainer.
@@ -124,6 +128,7 @@ class NASPipeStrategy(NamespaceBinding):
         trace_dir: str | None = None,
         timeout: timedelta | float = timedelta(minutes=3),
         process_group_backend: str | None = None,
+        transport: Literal["auto", "shared_memory", "torch"] = "auto",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -135,7 +140,7 @@ class NASPipeStrategy(NamespaceBinding):
             window=window, chunks=chunks, num_stages=num_stages, balance=balance, schedule=schedule,
             rebalance_every=rebalance_every, offload=offload, offload_budget_bytes=offload_budget_bytes,
             telemetry=telemetry, trace_dir=trace_dir, timeout=timeout, process_group_backend=process_group_backend,
-            start_method=start_method))
+            transport=transport, start_method=start_method))
         self._init_plugins(accelerator=accelerator, parallel_devices=parallel_devices,
                            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                            precision_plugin=precision_plugin)
@@ -154,6 +159,7 @@ class NASPipeStrategy(NamespaceBinding):
         self.trace_dir = trace_dir
         self.timeout: timedelta = checked["timeout"]
         self._process_group_backend = process_group_backend
+        self.transport = transport
         self._start_method = start_method
         self._num_nodes = 1
         self.engine: Engine | None = None
@@ -206,7 +212,8 @@ class NASPipeStrategy(NamespaceBinding):
         telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
         transport = None
         if self.world_size > 1:
-            transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout)
+            transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout,
+                                     links=self.transport)
             transport.telemetry = telemetry
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry)
@@ -322,6 +329,9 @@ class NASPipeStrategy(NamespaceBinding):
         if self.engine is not None and self.engine.offloader is not None:
             self.engine.offloader.close()
             self.engine.offloader = None
+        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+            self.engine.transport.close()
+            self.engine.transport = None
         supernet = getattr(self.lightning_module, "supernet", None)
         if supernet is not None:
             supernet.local_blocks = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,8 +74,11 @@ def flatten(value: Any) -> tuple[list[Tensor | None], int, bytes]:
     return tensors, STRUCTURE, structure
 
 
-def pack(value: Any, device: torch.device) -> Tensor:
-    """``value`` as one ``uint8`` buffer on ``device`` (see the module docstring for the layout)."""
+def pack(value: Any, device: torch.device, allocate: Callable[[int], Tensor] | None = None) -> Tensor:
+    """``value`` as one ``uint8`` buffer on ``device`` (see the module docstring for the layout).
+
+    ``allocate(nbytes)``, if given, provides the buffer (e.g. a view of shared memory), so the value is
+    written where the receiver reads it."""
     tensors, kind, structure = flatten(value)
     header = [DATA, 0, 0, kind, len(tensors), len(structure)]
     for t in tensors:
@@ -94,7 +98,7 @@ def pack(value: Any, device: torch.device) -> Tensor:
         if t is not None:
             total = _aligned(total + t.numel() * t.element_size())
     header[1], header[2] = total, len(header)
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    buffer = allocate(total) if allocate is not None else torch.empty(total, dtype=torch.uint8, device=device)
     buffer[: _SLOT * len(header)].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
     if structure:
         buffer[structure_at: structure_at + len(structure)].copy_(torch.frombuffer(bytearray(structure),

@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--exception-checkpoint", default=None, help="OnExceptionCheckpoint into this folder")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--schedule", default="csp")
+    parser.add_argument("--transport", default="auto", help="NASPipeStrategy(transport=...)")
     parser.add_argument("--search", action="store_true", help="after fit: lnp.search, history to OUT.search{rank}")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
@@ -103,7 +104,7 @@ def main() -> None:
         logging["enable_checkpointing"] = True
     trainer = pl.Trainer(**trainer_kwargs(
         strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload,
-                                    schedule=args.schedule, timeout=args.timeout,
+                                    schedule=args.schedule, timeout=args.timeout, transport=args.transport,
                                     rebalance_every=1 if args.force_rebalance else 16),
         devices=args.devices,
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,

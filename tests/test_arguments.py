@@ -19,6 +19,7 @@ BAD = [
     ({"timeout": "20s"}, "timeout='20s'.*seconds"), ({"timeout": 0}, "timeout=0.*positive"),
     ({"process_group_backend": "NCCL"}, "process_group_backend='NCCL'.*'nccl'"),
     ({"start_method": "thread"}, "start_method='thread'.*'popen'"),
+    ({"transport": "tcp"}, "transport='tcp'.*'shared_memory'"),
 ]
 
 

@@ -64,9 +64,12 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _plain_state(tmp_path_factory.mktemp("plain"), max_epochs=2)
 
 
-@pytest.mark.parametrize("stages, window, timed_split", [(2, 1, False), (2, 8, False), (3, 1, True), (3, 8, False)])
-def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int, timed_split: bool) -> None:
-    ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window),
+# Messages travel through shared memory by default (stages on one host); "torch" is gloo's point-to-point.
+@pytest.mark.parametrize("stages, window, timed_split, transport",
+                         [(2, 1, False, "auto"), (2, 8, False, "auto"), (3, 1, True, "auto"), (3, 8, False, "torch")])
+def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int, timed_split: bool,
+                                    transport: str) -> None:
+    ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window), "--transport", transport,
                    *(["--example-input"] if timed_split else []))
     assert_same_state(plain, _state(ckpt))
     for rank in range(stages):  # after fit every rank holds the full trained weights

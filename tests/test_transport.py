@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import glob
+import os
+import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +16,8 @@ import torch.distributed as dist
 from lightning_naspipe.boundary import map_tensors, tensors_in
 
 from lightning_naspipe.schedule import build_schedule
-from lightning_naspipe.transport import P2PTransport
+from lightning_naspipe.shm_links import SharedMemoryLinks
+from lightning_naspipe.transport import P2PTransport, StageFailure
 from helpers import spawn_gloo_pair
 
 pytestmark = pytest.mark.slow
@@ -27,9 +33,10 @@ VALUES = [
 STEADY = [torch.full((4, 3), float(i)) for i in range(5)]
 
 
-def _worker(rank: int, init_method: str, results: dict) -> None:
+def _worker(rank: int, init_method: str, results: dict, links: Any) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60))
+    transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60), links=links)
+    results[f"links{rank}"] = type(transport.links).__name__
     # Two independent subnets on two stages: stage 1 may consume them in another order than
     # stage 0 sends them; the transport must buffer by the schedule's send order.
     schedule = build_schedule([[{"a"}, {"b"}], [{"c"}, {"d"}]], num_chunks=2)
@@ -54,6 +61,7 @@ def _worker(rank: int, init_method: str, results: dict) -> None:
     transport.end_window()
     results[f"steady_messages{rank}"] = transport.messages_sent - before
     results[f"shared{rank}"] = transport.share("from the last stage" if rank == 1 else None)
+    transport.close()
     dist.destroy_process_group()
 
 
@@ -63,11 +71,71 @@ def _same(a: object, b: object) -> bool:
     return isinstance(a, tuple) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
-def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order() -> None:
-    results = spawn_gloo_pair(_worker)
+@pytest.mark.parametrize("links", ["auto", "torch"])
+def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order(links: str) -> None:
+    results = spawn_gloo_pair(functools.partial(_worker, links=links))
+    # Two processes of one host: shared memory unless asked otherwise.
+    assert results["links0"] == results["links1"] == ("SharedMemoryLinks" if links == "auto" else "TorchLinks")
     assert results["ok"] and results["grad"]
     assert all(results[f"steady{i}"] for i in range(len(STEADY)))
-    # The first value of a new size is announced once; the others are a single message each.
-    assert results["steady_messages0"] == len(STEADY) + 1
+    # torch links announce the first value of a new size once; the others are a single message each.
+    assert results["steady_messages0"] == len(STEADY) + (links == "torch")
     assert results["shared0"] == results["shared1"] == "from the last stage"
+
+
+def _flood_worker(rank: int, init_method: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60), links="shared_memory")
+    links = transport.links
+    assert isinstance(links, SharedMemoryLinks)
+    dist.barrier()  # stage 0 removes the FIFOs' folder once every stage is past connect
+    results[f"files_after_connect{rank}"] = glob.glob(links.folder + "*")
+    # 3 MiB values and small ones, all sent before the receiver reads any: the 4 MiB first ring
+    # cannot hold them, so the sender must move to larger rings without waiting.
+    values = [torch.full((3 << 18,), float(i)) if i % 3 else torch.full((5,), float(i)) for i in range(12)]
+    if rank == 0:
+        for value in values:
+            transport.send_value(1, value)
+    dist.barrier()
+    if rank == 1:
+        results["flood"] = all(torch.equal(transport.recv_value(0), value) for value in values)
+        for value in values:  # and back, reusing the space the receiver acknowledged
+            transport.send_value(0, value)
+    else:
+        results["back"] = all(torch.equal(transport.recv_value(1), value) for value in values)
+    dist.barrier()
+    results[f"files_after_exchange{rank}"] = glob.glob(links.folder + "*")  # every ring unlinked once mapped
+    if rank == 0:  # one more, never read
+        transport.send_value(1, torch.ones(3))
+    dist.barrier()
+    transport.close()
+    results[f"files_after_close{rank}"] = glob.glob(links.folder + "*")
+    dist.destroy_process_group()
+
+
+def test_shared_memory_links_never_block_the_sender_and_leave_no_files() -> None:
+    results = spawn_gloo_pair(_flood_worker)
+    assert results["flood"] and results["back"]
+    for moment in ("connect", "exchange", "close"):  # FIFOs unlinked once open, rings once mapped or closed
+        assert results[f"files_after_{moment}0"] == results[f"files_after_{moment}1"] == []
+
+
+def _dying_sender_worker(rank: int, init_method: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=300), links="shared_memory")
+    if rank == 0:
+        os._exit(0)  # a stage process killed without a word
+    start = time.monotonic()
+    try:
+        transport.recv_value(0)
+    except StageFailure as error:
+        results["error"] = str(error)
+    results["waited_s"] = time.monotonic() - start
+    os._exit(0)  # the process group's peer is gone: skip its teardown
+
+
+def test_a_receiver_learns_at_once_that_its_sender_died() -> None:
+    results = spawn_gloo_pair(_dying_sender_worker)
+    assert "Pipeline stage 0 (rank 0) failed or exited" in results["error"]
+    assert results["waited_s"] < 60  # the closed FIFO ends the wait, not the 300 s timeout
 
