@@ -4,8 +4,9 @@
     python benchmarks/stage_costs.py --stages 0     # the plain one-device Trainer
 
 Wraps the executor's forward/backward, the update, the transport's send and receive (pack, isend or the
-shared-memory write, irecv, unpack, the wait) and the per-window collectives with ``perf_counter`` accumulators, and prints
-each rank's ms per subnet (docs/benchmarks.md, section 6). The wrappers add about a microsecond a call.
+shared-memory write, irecv, unpack, the wait) and the per-window collectives with ``perf_counter``
+accumulators, and prints each rank's ms per subnet (docs/benchmarks.md, section 6). The wrappers add
+about a microsecond a call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import os
 import time
 from collections import defaultdict
 from typing import Any
+
+import pytorch_lightning
+import torch
 
 import lightning_naspipe as lnp
 import lightning_naspipe.engine as engine
@@ -61,6 +65,8 @@ def instrument() -> None:
         (shm_links.SharedMemoryLinks, "_read_note", "recv.await"), (wire, "unpack", "recv.unpack"),
         (transport.P2PTransport, "end_window", "end_window"), (transport.P2PTransport, "share_losses", "share_losses"),
         (preemption.SigtermAgreement, "agree", "sigterm_agree"),
+        (torch.optim.SGD, "step", "U.sgd_step"),
+        (pytorch_lightning.core.optimizer.LightningOptimizer, "step", "U.lightning_step"),
     ]:
         timed(owner, name, key)
     started: list[float] = []
