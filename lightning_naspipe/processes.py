@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -26,9 +27,11 @@ from typing_extensions import override
 from lightning_naspipe.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
+from lightning_naspipe.transport import StageFailure
 
 TBroadcast = TypeVar("TBroadcast")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_REPORT_LAST_S = 3.0  # how long rank 0 waits for its failing stage processes before reporting
 
 if TYPE_CHECKING:  # checked against one namespace's API; at run time a mixin for either (strategy.py)
     from pytorch_lightning.strategies import ParallelStrategy as _StrategyBase
@@ -53,6 +56,8 @@ class StageProcesses(_StrategyBase):
     _num_nodes: int
     #: The CPU affinity before this process pinned itself (``_pin_to_cores``); restored at teardown.
     _affinity_before: set[int] | None = None
+    #: The stage processes this one launched (rank 0 under Lightning's popen launcher).
+    _children: Sequence[subprocess.Popen[bytes]] = ()
 
     @property
     @override
@@ -120,9 +125,9 @@ class StageProcesses(_StrategyBase):
         super().setup_environment()  # the namespace's ParallelStrategy
         if self.local_rank > 0:
             exit_with_parent()
-        children = list(getattr(self._launcher, "procs", None) or [])  # Lightning's popen launcher, on rank 0
-        if children:
-            atexit.register(reap, children)
+        self._children = list(getattr(self._launcher, "procs", None) or [])  # Lightning's popen launcher, rank 0
+        if self._children:
+            atexit.register(reap, self._children)
         if self.world_size > 1:
             self._pin_to_cores()  # before the process group starts its threads: they inherit the pinning
             distributed = self._distributed()
@@ -144,6 +149,14 @@ class StageProcesses(_StrategyBase):
                            torch.get_num_threads())
         if cores is not None:
             self._affinity_before = pin_process(cores)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, StageFailure):
+            # Rank 0 is the process the user watches: give the stages it launched, which stop on the
+            # same failure, a moment to print their own errors, so that rank 0's report is shown last.
+            wait_for_exit(self._children, _REPORT_LAST_S)
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
@@ -184,13 +197,21 @@ def exit_with_parent() -> None:
         os._exit(1)
 
 
-def reap(children: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
-    """At the launching process's exit: give the stage processes ``grace_s`` to finish, then kill them
-    (a stopped or hung one included), so none outlives the run."""
+def wait_for_exit(children: Sequence[subprocess.Popen[bytes]], grace_s: float) -> list[subprocess.Popen[bytes]]:
+    """Wait up to ``grace_s`` in all for ``children`` to exit; return those still running."""
     deadline = time.monotonic() + grace_s
+    running = []
     for child in children:
         try:
             child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            child.kill()  # SIGKILL also ends a stopped process
-            child.wait()
+            running.append(child)
+    return running
+
+
+def reap(children: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """At the launching process's exit: give the stage processes ``grace_s`` to finish, then kill them
+    (a stopped or hung one included), so none outlives the run."""
+    for child in wait_for_exit(children, grace_s):
+        child.kill()  # SIGKILL also ends a stopped process
+        child.wait()

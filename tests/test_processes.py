@@ -1,0 +1,57 @@
+"""Rank 0's handling of the stage processes it launched (no process group needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_naspipe.processes import StageProcesses, reap, wait_for_exit
+from lightning_naspipe.transport import StageFailure
+
+
+def _child(seconds: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+def test_wait_for_exit_returns_the_children_still_running() -> None:
+    quick, slow = _child(0.2), _child(30)
+    try:
+        assert wait_for_exit([quick, slow], grace_s=1.0) == [slow]
+        assert quick.returncode == 0
+    finally:
+        slow.kill()
+        slow.wait()
+
+
+def test_reap_kills_what_outlives_the_grace() -> None:
+    slow = _child(30)
+    reap([slow], grace_s=0.2)
+    assert slow.returncode is not None and slow.returncode < 0
+
+
+class _Strategy:
+    def on_exception(self, exception: BaseException) -> None:
+        pass
+
+
+class _Processes(StageProcesses, _Strategy):  # the mixin over a stand-in for Lightning's strategy
+    pass
+
+
+@pytest.mark.parametrize("error, waits", [(StageFailure("stage 2 failed"), True), (ValueError("own bug"), False)])
+def test_rank_0_reports_a_lost_stage_after_its_children_exit(error: BaseException, waits: bool) -> None:
+    # A stage lost to a failure elsewhere: the failing children print their errors first, so rank 0's
+    # report is the last thing the user reads. Rank 0's own error is reported at once.
+    processes = _Processes()
+    child = _child(1.0)
+    processes._children = [child]
+    try:
+        start = time.monotonic()
+        processes.on_exception(error)
+        assert (child.poll() is not None) == waits
+        assert (time.monotonic() - start >= 0.9) == waits
+    finally:
+        reap([child], grace_s=0.0)
