@@ -63,7 +63,7 @@ def instrument() -> None:
         (transport.dist, "isend", "send.isend"), (transport.P2PTransport, "_recv", "recv (with wait)"),
         (transport.dist, "irecv", "recv.irecv"), (torch_links.TorchLinks, "_await", "recv.await"),
         (shm_links.SharedMemoryLinks, "_read_note", "recv.await"), (wire, "unpack", "recv.unpack"),
-        (transport.P2PTransport, "end_window", "end_window"), (transport.P2PTransport, "share_losses", "share_losses"),
+        (transport.P2PTransport, "end_window", "end_window"), (transport.P2PTransport, "share_window_end", "share_window_end"),
         (preemption.SigtermAgreement, "agree", "sigterm_agree"),
         (torch.optim.SGD, "step", "U.sgd_step"),
         (pytorch_lightning.core.optimizer.LightningOptimizer, "step", "U.lightning_step"),

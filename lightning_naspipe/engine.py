@@ -74,6 +74,18 @@ def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range
     return WindowPlan(window, resources, build_schedule(planned, chunks), schedule_mode)
 
 
+class BoundarySignals(Protocol):
+    """Flags the stages agree on at each window's end, with the losses (see :mod:`.preemption`)."""
+
+    def flags(self) -> Sequence[int]:
+        """This stage's flags; every stage gives as many."""
+        ...
+
+    def agreed(self, flags: Sequence[int]) -> None:
+        """Each flag set (1) if any stage set it."""
+        ...
+
+
 class EngineModule(StageModule, Protocol):
     """What the engine needs from the user's module (a LightningModule with the mixin)."""
 
@@ -126,6 +138,8 @@ class Engine:
         self.telemetry = telemetry
         #: Seconds this stage has computed in windows (waiting for neighbours excluded): rebalancing input.
         self.busy_s = 0.0
+        #: Flags the stages agree on at each window's end (preemption signals); set by the strategy.
+        self.signals: BoundarySignals | None = None
 
     @property
     def blocks(self) -> range:
@@ -179,7 +193,11 @@ class Engine:
             residency.finish()
         if self.transport is not None:
             self.transport.end_window()
-            window.losses = list(self.transport.share_losses(window.losses))
+            flags = self.signals.flags() if self.signals is not None else ()
+            losses, agreed = self.transport.share_window_end(window.losses, flags)
+            window.losses = list(losses)
+            if self.signals is not None:
+                self.signals.agreed(agreed)
         if self.telemetry is not None:
             self.telemetry.end_window()
         return window

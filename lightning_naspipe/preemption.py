@@ -3,9 +3,10 @@
 Lightning's SIGTERM handler broadcasts from inside the signal handler, on whichever rank got the
 signal, and its SLURM requeue handler (``SIGUSR1`` by default) saves a checkpoint there, a
 collective. Both collide with the pipeline's own traffic: the run hung until ``timeout`` and wrote
-no checkpoint. Under NASPipe the handlers only record the signal. At each window boundary, where
-Lightning would broadcast rank 0's SIGTERM flag, the stages all-reduce their flags instead (one
-collective, as before), so a signal to any stage acts on every stage at the same boundary:
+no checkpoint. Under NASPipe the handlers only record the signal. Each stage's flags travel with
+the window's losses at its end (:meth:`.transport.P2PTransport.share_window_end`, no collective), and
+where Lightning would broadcast rank 0's SIGTERM flag before the next window, every stage acts on the
+agreed flags, so a signal to any stage acts on every stage at the same boundary:
 
 * SIGTERM: ``received_sigterm`` is set and Lightning's ``SIGTERMException`` raised everywhere,
   Lightning's exception callbacks run (``OnExceptionCheckpoint`` writes a checkpoint that resumes
@@ -18,12 +19,9 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from lightning_naspipe.namespaces import Namespace
 
@@ -37,17 +35,16 @@ class SigtermAgreement:
 
     Args:
         namespace: the Trainer's namespace (for its ``SIGTERMException``).
-        device: where the flags are reduced (the stage's device: NCCL reduces device tensors).
     """
 
-    def __init__(self, namespace: Namespace, device: torch.device) -> None:
+    def __init__(self, namespace: Namespace) -> None:
         self.namespace = namespace
-        self.device = device
         self.requested = False
         #: The requeue signal arrived; Lightning's requeue handler waits for the next boundary.
         self.requeue_requested = False
         self._requeue: _Handler | None = None
         self._requeue_signum = 0
+        self._agreed = (False, False)
 
     def install(self, trainer: Any) -> None:
         """Replace Lightning's signal handlers and its per-batch broadcast (private Lightning APIs)."""
@@ -86,11 +83,18 @@ class SigtermAgreement:
         signal.signal(signum, record)
         return True
 
+    def flags(self) -> tuple[int, int]:
+        """This stage's signals so far, for the agreement at a window's end (:class:`.engine.BoundarySignals`)."""
+        return int(self.requested), int(self.requeue_requested)
+
+    def agreed(self, flags: Sequence[int]) -> None:
+        """The stages' signals OR'ed at the window's end; acted on at the next boundary (:meth:`agree`)."""
+        self._agreed = (bool(flags[0]), bool(flags[1]))
+
     def agree(self, trainer: Any) -> None:
-        """Collective, at a window boundary: act on a signal that any stage got."""
-        flags = torch.tensor([int(self.requested), int(self.requeue_requested)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        terminate, requeue = (bool(v) for v in flags.tolist())
+        """Before each window (Lightning's per-batch SIGTERM check): act on what the stages agreed at
+        the end of the last one, the same on every stage. No collective."""
+        (terminate, requeue), self._agreed = self._agreed, (False, False)
         if requeue and self._requeue is not None:
             self.requeue_requested = False
             self._requeue(self._requeue_signum, None)  # every stage here: its checkpoint save is collective

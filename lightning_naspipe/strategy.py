@@ -247,7 +247,10 @@ class NASPipeStrategy(NamespaceBinding):
         super().on_train_start()
         if self.world_size > 1:  # after Lightning registered its signal handlers
             assert self._namespace is not None
-            SigtermAgreement(self._namespace, self.root_device).install(self._trainer())
+            agreement = SigtermAgreement(self._namespace)
+            agreement.install(self._trainer())
+            assert self.engine is not None, "built at setup"
+            self.engine.signals = agreement  # the flags travel with each window's losses
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

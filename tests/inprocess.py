@@ -83,8 +83,9 @@ class LocalTransport:
     def recv_value(self, stage: int) -> Any:
         return self._take(stage)
 
-    def share_losses(self, losses: Sequence[Tensor | None]) -> list[Tensor]:
-        return list(losses)  # the driver reads the last stage's window
+    def share_window_end(self, losses: Sequence[Tensor | None],
+                         flags: Sequence[int]) -> tuple[list[Tensor], list[int]]:
+        return list(losses), list(flags)  # the driver reads the last stage's window
 
     def share(self, value: Any) -> Any:
         return value

@@ -29,6 +29,9 @@ VALUES = [
     torch.full((3,), 7, dtype=torch.uint8),
     tuple(torch.full((1, 2, 1, 2), float(i)) for i in range(8)),  # a long header
 ]
+# A window's losses as the last stage computed them: bit patterns a float32 round trip would change.
+LOSSES = [torch.tensor(1 / 3, dtype=torch.bfloat16), torch.tensor(1e-40, dtype=torch.bfloat16),
+          torch.tensor(float("inf"), dtype=torch.bfloat16)]
 # Values of one shape, as a stage boundary carries subnet after subnet: one message each.
 STEADY = [torch.full((4, 3), float(i)) for i in range(5)]
 
@@ -61,6 +64,9 @@ def _worker(rank: int, init_method: str, results: dict, links: Any) -> None:
     transport.end_window()
     results[f"steady_messages{rank}"] = transport.messages_sent - before
     results[f"shared{rank}"] = transport.share("from the last stage" if rank == 1 else None)
+    for flags in ((1, 0), (0, 0)):  # stage 0's flags reach the last stage; the last stage's losses come back
+        losses = [loss if rank == 1 else None for loss in LOSSES]
+        results[f"window_end{rank}{flags}"] = transport.share_window_end(losses, flags if rank == 0 else (0, 0))
     transport.close()
     dist.destroy_process_group()
 
@@ -78,6 +84,12 @@ def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order(links: str) ->
     assert results["links0"] == results["links1"] == ("SharedMemoryLinks" if links == "auto" else "TorchLinks")
     assert results["ok"] and results["grad"]
     assert all(results[f"steady{i}"] for i in range(len(STEADY)))
+    for flags in ((1, 0), (0, 0)):
+        for rank in (0, 1):
+            losses, agreed = results[f"window_end{rank}{flags}"]
+            assert agreed == list(flags)
+            assert [loss.dtype for loss in losses] == [torch.bfloat16] * len(LOSSES)
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(losses, LOSSES))
     # torch links announce the first value of a new size once; the others are a single message each.
     assert results["steady_messages0"] == len(STEADY) + (links == "torch")
     assert results["shared0"] == results["shared1"] == "from the last stage"
