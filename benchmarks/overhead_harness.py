@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lightning_naspipe.boundary import tensors_in
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.planning.profile import _default_optimizer, _NullModule
-from lightning_naspipe.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.supernet import Supernet
 
 __all__ = ["lightning_overheads", "pipeline_overheads"]
 
@@ -73,8 +73,10 @@ def lightning_overheads(batch_size: int = 1, features: int = 1, steps: int = 512
                              enable_model_summary=False, callbacks=[clock])
         with torch.random.fork_rng(devices=[]):
             trainer.fit(Tiny(), data)
-        gaps = [b - a for a, b in zip(clock.times[4:], clock.times[5:])]  # skip warm-up windows
-        per_subnet[window] = 1000 * statistics.median(gaps) / window
+        # The mean after warm-up windows, not the median: throughput pays the garbage collector's
+        # pauses and the occasional slow step too.
+        timed = clock.times[4:]
+        per_subnet[window] = 1000 * (timed[-1] - timed[0]) / (len(timed) - 1) / window
     module, engine = _NullModule(Supernet(nn.Linear(features, 1))), Engine([range(1)])
     start = time.perf_counter()
     for first in range(0, steps, 8):
@@ -92,8 +94,8 @@ def pipeline_overheads(supernet: Supernet, sample_input: Any, rounds: int = 30) 
     receives a message per path (``parallel_slowdown``: the compute's slowdown from sharing the
     cores, with each other and with the transport's threads); receive the activation a stage
     boundary carries while its sender computes (``message_ms``: the wait beyond a message's own
-    time, ``message_cpu_ms``); and share a window's losses plus the flag Lightning's training loop
-    broadcasts before every batch (``sync_ms``).
+    time, ``message_cpu_ms``); and share a window's losses and preemption flags at its end
+    (``sync_ms``).
 
     Args:
         supernet: the search space (each process trains its own copy).
@@ -126,11 +128,11 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     link = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(minutes=2))
-    path = [b.candidates[0] if isinstance(b, ChoiceBlock) else b for b in net.blocks]
+    first = dict.fromkeys(net.labels, 0)  # the candidate-0 path, nested choices (cells) included
     with torch.no_grad():
         message = x
-        for op in path[: len(path) // 2]:
-            message = op(message)
+        for i in range(len(net) // 2):
+            message = net.run_block(i, message, first)
 
     def train(times: int, exchange: bool = False) -> list[float]:
         took = []
@@ -138,9 +140,7 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
             if exchange:  # as a stage does: a message out and one in per subnet
                 link.send_value(1 - rank, message)
             start = time.perf_counter()
-            y = x
-            for op in path:
-                y = op(y)
+            y = net(x, first)
             sum(t.float().sum() for t in tensors_in(y)).backward()  # type: ignore[union-attr]
             took.append(time.perf_counter() - start)
             if exchange:
@@ -185,8 +185,7 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
         link.end_window()
         dist.barrier()
         t0 = time.perf_counter()
-        link.share_losses([torch.zeros(())] * 16)
-        dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)  # Lightning's per-batch SIGTERM flag
+        link.share_window_end([torch.zeros(())] * 16, (0, 0))  # the losses and the preemption flags
         sync.append(time.perf_counter() - t0)
     medians = torch.tensor([statistics.median(send + receive) if rank == 0 else 0.0,
                             statistics.mean(waited[1:]) if rank == 1 else 0.0])  # the mean: waits come in bursts

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_naspipe.boundary import map_tensors
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning.block_cost import BlockFailure, time_paths
-from lightning_naspipe.planning.space_spec import block_cost_ms, candidate_ms
+from lightning_naspipe.planning.space_spec import block_cost_ms
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
 
 
@@ -54,8 +54,8 @@ def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int =
                 "NASPipeStrategy(balance=[...])."
             ) from error
     # The profile's reduction (planning/profile.py), so split and planner see the same block costs.
-    return [block_cost_ms([candidate_ms(fs) + candidate_ms(bs) for fs, bs in zip(forward, backward)]) / 1000
-            for forward, backward in zip(times.forward, times.backward)]
+    return [block_cost_ms([sum(times.cost_ms(i, k)) for k in range(len(candidates))]) / 1000
+            for i, candidates in enumerate(times.forward)]
 
 
 def agreed_timed_weights(supernet: Supernet, example_input: Any, timing_rank: bool,

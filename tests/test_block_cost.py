@@ -40,5 +40,33 @@ def test_the_split_and_the_profile_reduce_the_same_timings_alike(monkeypatch: py
     spec = profile_supernet(_net(), torch.randn(2, 4), action_overhead_ms=0.0)
     assert [b.cost_ms for b in spec.blocks] == pytest.approx([1000 * w for w in split], rel=1e-12)
     expected = block_cost_ms([candidate_ms(f) + candidate_ms(b) for f, b in zip(forward[1], backward[1])])
-    # Each candidate: its fastest forward plus its fastest backward; the block: their mean.
-    assert spec.blocks[1].cost_ms == pytest.approx(expected) == pytest.approx((3 + 2 + 1 + 0 + 6 + 4) / 3)
+    # Each candidate: its median forward plus its median backward; the block: their mean.
+    assert spec.blocks[1].cost_ms == pytest.approx(expected) == pytest.approx((4 + 4 + 1 + 0 + 7.5 + 4) / 3)
+
+
+_CLOCK = [0.0]  # seconds; module level, so that the profile's copies of the ops advance it too
+
+
+class _Tick(nn.Module):
+    """Advances the test's clock by ``ms`` per forward: a candidate of known cost."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CLOCK[0] += self.ms / 1000
+        return x * self.weight
+
+
+def test_a_cell_costs_the_mean_over_its_nested_choices() -> None:
+    # A fixed block whose edge is a choice (an NB201 cell): timed through every candidate of the
+    # edge, its cost is their mean, not candidate 0's (1 ms) nor the median path's (3 ms).
+    cell = nn.Sequential(lnp.ChoiceBlock([_Tick(1), _Tick(3), _Tick(8)], label="edge"))
+    net = lnp.Supernet(nn.Linear(2, 2), cell)
+    times = time_paths([[net.blocks[0]], [net.blocks[1]]], torch.randn(3, 2), repeats=3, clock=lambda: _CLOCK[0])
+    assert sorted(set(times.variants[1][0])) == [(0,), (1,), (2,)]
+    assert times.cost_ms(1, 0)[0] == pytest.approx((1 + 3 + 8) / 3)
+    spec = profile_supernet(net, torch.randn(3, 2), clock=lambda: _CLOCK[0], action_overhead_ms=0.0)
+    assert spec.blocks[1].candidates[0].forward_ms == pytest.approx(4.0)

@@ -8,7 +8,7 @@ activations in cache and undercounts the blocks with many weights (seen: a SPOS 
 shares off by 20 points).
 
 One reduction everywhere (the stage split, the profile, the planner): a candidate costs the
-fastest of its timed rounds (``space_spec.candidate_ms``; other jobs on a machine only ever add time) and
+median of its timed rounds (``space_spec.candidate_ms``: what a training run pays for it) and
 a block costs the mean over its candidates (``space_spec.block_cost_ms``), the expected cost of a
 uniformly sampled subnet's pick.
 """
@@ -16,7 +16,7 @@ uniformly sampled subnet's pick.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from lightning_naspipe.boundary import tensors_in
-from lightning_naspipe.choice import active_architecture
+from lightning_naspipe.choice import ChoiceBlock, active_architecture
 from lightning_naspipe.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.planning.space_spec import candidate_ms
 from lightning_naspipe.sampling import keyed_rng
 
 __all__ = ["BlockFailure", "PathTimes", "time_paths"]
@@ -48,11 +49,27 @@ class PathTimes:
         forward: per block, per candidate, one value per timed path that took it.
         backward: the same for the backward.
         update: the optimizer step per stateful op, one value per timed path (none without an optimizer).
+        variants: aligned with ``forward``: which candidates the choices nested in the block took on
+            that path (``()`` when it has none); empty: no nested choices anywhere.
     """
 
     forward: list[list[list[float]]]
     backward: list[list[list[float]]]
     update: list[float] = field(default_factory=list)
+    variants: list[list[list[tuple[int, ...]]]] = field(default_factory=list)
+
+    def cost_ms(self, block: int, candidate: int) -> tuple[float, float]:
+        """Forward and backward milliseconds of ``candidate`` of ``block``: per variant of its nested
+        choices the :func:`~.space_spec.candidate_ms` of its rounds, then the mean over the variants
+        (a sampled cell's expected cost; the median of a mix of cells would be one cell's)."""
+        forward, backward = self.forward[block][candidate], self.backward[block][candidate]
+        picks = self.variants[block][candidate] if self.variants else [()] * len(forward)
+        kinds = sorted(set(picks))
+
+        def reduce(seconds: list[float]) -> float:
+            return sum(candidate_ms([t for t, p in zip(seconds, picks) if p == kind]) for kind in kinds) / len(kinds)
+
+        return reduce(forward), reduce(backward)
 
 
 def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
@@ -72,41 +89,36 @@ def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
     for candidates in ops:
         for op in candidates:
             op.train()
-    paths = max(len(c) for c in ops)
-    times = PathTimes([[[] for _ in c] for c in ops], [[[] for _ in c] for c in ops])
+    nested = nested_choice_counts(ops)
+    nested_labels = [[sorted(nested_choice_counts([[op]])) for op in c] for c in ops]
+    paths = max([len(c) for c in ops] + list(nested.values()))
+    times = PathTimes([[[] for _ in c] for c in ops], [[[] for _ in c] for c in ops],
+                      variants=[[[] for _ in c] for c in ops] if nested else [])
     for run in range((repeats + 1) * paths):  # the first round warms up kernels and optimizer state
         picks = [run % len(c) for c in ops]
+        # Nested choices cycle through their candidates too, so a cell costs what a sampled cell does.
+        inside = {label: run % count for label, count in nested.items()}
         forward, backward, update = _time_path([c[k] for c, k in zip(ops, picks)], example_input, optimizer, run,
-                                               clock)
+                                               clock, inside)
         if run >= paths:
             for i, k in enumerate(picks):
                 times.forward[i][k].append(forward[i])
                 times.backward[i][k].append(backward[i])
+                if nested:
+                    times.variants[i][k].append(tuple(inside[label] for label in nested_labels[i][k]))
             times.update += update
     return times
 
 
-class _FirstCandidates(Mapping[str, int]):
-    """An architecture choosing the first candidate of every nested choice."""
-
-    def __getitem__(self, label: str) -> int:
-        return 0
-
-    def __contains__(self, label: object) -> bool:
-        return True
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-_FIRST_CANDIDATES = _FirstCandidates()
+def nested_choice_counts(ops: list[list[nn.Module]]) -> dict[str, int]:
+    """Candidates per label of the choices nested inside ``ops`` (a cell's edges, say)."""
+    return {m.label: len(m) for candidates in ops for op in candidates for m in op.modules()
+            if isinstance(m, ChoiceBlock) and m.label is not None}
 
 
 def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer | None, run: int,
-               clock: Callable[[], float]) -> tuple[list[float], list[float], list[float]]:
+               clock: Callable[[], float],
+               nested: Mapping[str, int]) -> tuple[list[float], list[float], list[float]]:
     """Seconds of each block's forward and backward along ``path``, and of its update per stateful op."""
     n = len(path)
     forward, done = [0.0] * n, [0.0] * (n + 1)
@@ -117,7 +129,7 @@ def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer |
                 t.register_hook(stamp)  # type: ignore[no-untyped-call]
         t0 = clock()
         try:
-            with keyed_rng(torch.device("cpu"), 0, run, i, 0), active_architecture(_FIRST_CANDIDATES):
+            with keyed_rng(torch.device("cpu"), 0, run, i, 0), active_architecture(nested):
                 x = op(x)
         except Exception as error:
             raise BlockFailure(i, error) from error

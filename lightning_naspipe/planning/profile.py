@@ -71,8 +71,7 @@ def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats:
     ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
     times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())))
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
-                        [CandidateSpec(candidate_ms(f), candidate_ms(b), _has_state(op))
-                         for op, f, b in zip(ops[i], times.forward[i], times.backward[i])])
+                        [CandidateSpec(*times.cost_ms(i, k), _has_state(op)) for k, op in enumerate(ops[i])])
               for i, block in enumerate(net.blocks)]
     return blocks, candidate_ms(times.update) if times.update else 0.0
 
