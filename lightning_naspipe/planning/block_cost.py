@@ -77,7 +77,8 @@ def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
                optimizer: torch.optim.Optimizer | None = None) -> PathTimes:
     """Train paths through ``ops`` (per block, its candidates) and time every block of each.
 
-    One warm-up round, then ``repeats`` rounds of ``max(len(c) for c in ops)`` paths. A block's
+    One warm-up round, then ``repeats`` rounds of as many paths as the most candidates of any choice
+    (nested ones included: path ``r`` also takes candidate ``r mod n`` of every nested choice). A block's
     backward ends when the gradient of its input is computed (a hook on it); the first blocks,
     whose inputs need no gradient, end when the backward returns. With an ``optimizer`` (over the
     ops' parameters), each path ends with a step restricted to the path's parameters, as the

@@ -47,7 +47,7 @@ def profile_supernet(supernet: Supernet, sample_input: Any, repeats: int = 3,
         supernet: the search space (not modified).
         sample_input: what the first block receives for one subnet batch (``pipeline_input(batch)``);
             costs scale with its size, so use the training batch size (per chunk costs are derived).
-        repeats: timed runs per candidate after one warm-up round; the fastest is kept.
+        repeats: timed runs per candidate after one warm-up round; the median is kept.
         optimizer: builds the training optimizer over a list of parameters (default SGD with momentum);
             its step over a subnet's parameters, as the engine runs it, gives ``update_ms`` per resource.
         clock: seconds now; wall time by default. On a machine shared with other jobs,
