@@ -18,17 +18,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from typing import Any
 
 import torch
 
 import lightning_naspipe as lnp
-from common import add_common_args, machine, ok, ran_as_worker, rate, write_json
+from common import add_common_args, launch, machine, ok, ran_as_worker, rate, write_json
 from lightning_naspipe.planning import SpaceSpec, profile_supernet, simulate
 from lightning_naspipe.supernet import supernet_of
 from overhead_harness import lightning_overheads, pipeline_overheads
@@ -61,15 +57,8 @@ def worker(cfg: dict[str, Any]) -> None:
 
 def calibrate(chosen: Space, quick: bool) -> SpaceSpec | str:
     """The space's spec, calibrated in a fresh process; an error message if that failed."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "spec.json")
-        cfg = json.dumps({"space": chosen.name, "quick": quick, "out": out})
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", cfg], capture_output=True,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-        if done.returncode != 0 or not os.path.exists(out):
-            return (done.stderr.strip().splitlines() or ["calibration failed"])[-1]
-        with open(out) as f:
-            return SpaceSpec.from_json(f.read())
+    result = launch(__file__, {"space": chosen.name, "quick": quick})
+    return result["error"] if not ok(result) else SpaceSpec.from_json(json.dumps(result))
 
 
 def predict(spec: SpaceSpec, chosen: Space, split: list[int]) -> dict[str, float]:

@@ -50,7 +50,7 @@ class PathTimes:
         backward: the same for the backward.
         update: the optimizer step per stateful op, one value per timed path (none without an optimizer).
         variants: aligned with ``forward``: which candidates the choices nested in the block took on
-            that path (``()`` when it has none); empty: no nested choices anywhere.
+            that path (``()`` when it has none); empty: all ``()``.
     """
 
     forward: list[list[list[float]]]
@@ -94,7 +94,7 @@ def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
     nested_labels = [[sorted(nested_choice_counts([[op]])) for op in c] for c in ops]
     paths = max([len(c) for c in ops] + list(nested.values()))
     times = PathTimes([[[] for _ in c] for c in ops], [[[] for _ in c] for c in ops],
-                      variants=[[[] for _ in c] for c in ops] if nested else [])
+                      variants=[[[] for _ in c] for c in ops])
     for run in range((repeats + 1) * paths):  # the first round warms up kernels and optimizer state
         picks = [run % len(c) for c in ops]
         # Nested choices cycle through their candidates too, so a cell costs what a sampled cell does.
@@ -105,8 +105,7 @@ def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
             for i, k in enumerate(picks):
                 times.forward[i][k].append(forward[i])
                 times.backward[i][k].append(backward[i])
-                if nested:
-                    times.variants[i][k].append(tuple(inside[label] for label in nested_labels[i][k]))
+                times.variants[i][k].append(tuple(inside[label] for label in nested_labels[i][k]))
             times.update += update
     return times
 
