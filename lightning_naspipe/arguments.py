@@ -83,7 +83,8 @@ def check_all(arguments: dict[str, Any]) -> dict[str, Any]:
                  "a cap on each stage's device-resident bytes with offload, e.g. 2**30", optional=True)
     choice("schedule", arguments["schedule"], list(SCHEDULES), "the pipeline schedule")
     for name, meaning in (("offload", "whether blocks live in host memory between uses"),
-                          ("telemetry", "whether per-stage busy and wait times are logged")):
+                          ("telemetry", "whether per-stage busy and wait times are logged"),
+                          ("lookahead", "whether the next window's forwards may run in this window's drain")):
         flag(name, arguments[name], meaning)
     folder("trace_dir", arguments["trace_dir"], "where the Chrome trace and timeline are written")
     choice("process_group_backend", arguments["process_group_backend"], [None, *BACKENDS],

@@ -32,6 +32,8 @@ class PipelineRunner(Protocol):
 
     def stage_metrics(self) -> dict[str, float]: ...
 
+    def upcoming_batches(self, first_index: int) -> list[Any] | None: ...
+
 
 def validate_run(trainer: Any, module: object) -> None:
     """Raise :class:`NASPipeConfigError` for settings NASPipe cannot honour exactly.

@@ -199,6 +199,8 @@ class WindowLoader:
         self.window = window
         self.tracker = tracker
         self.step_triggers = sorted(set(step_triggers))
+        #: The windows of this epoch handed out last (Lightning fetches one ahead), by first subnet index.
+        self.handed_out: dict[int, list[Any]] = {}
 
     # No ``__len__`` on purpose: Lightning then ends an epoch when the data runs out rather than
     # after a count of windows, which a resumed run (partial first window, another window size)
@@ -221,6 +223,7 @@ class WindowLoader:
                 f"{skipped}; resume with the same data, batch size and dataset as the checkpointed run."
             )
         self.tracker.skipped(skip)
+        self.handed_out = {}
         remaining = length - skip
         while True:
             # Never past a sized loader's end (see the module docstring).
@@ -231,6 +234,8 @@ class WindowLoader:
             if exhausted and not batches:
                 self.tracker.yielded(0, True)
                 return
+            first = self.tracker.next_index()
+            self.handed_out = dict([*list(self.handed_out.items())[-1:], (first, batches)])
             self.tracker.yielded(len(batches), exhausted)
             yield batches
             if exhausted:
@@ -281,3 +286,18 @@ def refuse_distributed_sampler(dataloader: object) -> None:
             "The dataloader uses a DistributedSampler, which gives each stage different data; every NASPipe "
             "stage must see the same batches. Use a normal sampler (e.g. DataLoader(..., shuffle=True))."
         )
+
+
+#: Lightning's hooks between a dataloader's batch and ``training_step``.
+TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def transfer_hooks_overridden(trainer: Any, module: Any) -> bool:
+    """Whether the module or the trainer's datamodule overrides one of :data:`TRANSFER_HOOKS`: running it
+    on a batch early (lookahead) and again when Lightning hands the batch over could differ (augmentation)."""
+    for owner in (module, getattr(trainer, "datamodule", None)):
+        for hook in TRANSFER_HOOKS if owner is not None else ():
+            defined = next(c for c in type(owner).__mro__ if hook in vars(c))
+            if defined.__name__ not in ("DataHooks", "LightningModule", "LightningDataModule"):
+                return True
+    return False

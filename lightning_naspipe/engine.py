@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
+from lightning_naspipe.lookahead import plan_step
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import resource_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.offload import Offloader
@@ -39,16 +40,21 @@ class WindowPlan:
     """What every stage process computes alike for one window, before running any of it.
 
     Attributes:
-        window: the subnets, their architectures and micro-batches.
+        window: the subnets, their architectures and micro-batches; with lookahead, the next
+            window's subnets follow this window's (see :mod:`.lookahead`).
         resources: ``resources[k][s]``: the resources subnet ``k`` uses on stage ``s``.
         schedule: the per-stage action orders.
         schedule_mode: one of :data:`SCHEDULES`.
+        size: how many of ``window``'s subnets are this window's own.
+        carried: the next window's forwards this window runs (its ``done``, see :func:`.plan_step`).
     """
 
     window: Window
     resources: list[list[frozenset[Resource]]]
     schedule: Schedule
     schedule_mode: str
+    size: int
+    carried: frozenset[tuple[int, Action]] = frozenset()
 
     def actions(self, stage: int) -> list[Action]:
         """Stage ``stage``'s actions, in the order it runs them."""
@@ -62,16 +68,31 @@ class WindowPlan:
 
 
 def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range], schedule_mode: str, chunks: int,
-                memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None) -> WindowPlan:
+                memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None, upcoming: Window | None = None,
+                done: frozenset[tuple[int, Action]] = frozenset()) -> WindowPlan:
     """Plan ``window``: each subnet's resources per stage and the schedule (pure: no processes, no
-    tensors touched). ``memory_budget`` as for :class:`Engine`."""
+    tensors touched). ``memory_budget`` as for :class:`Engine`. With ``upcoming`` (the next window) or
+    ``done`` (this window's forwards run ahead), plan with lookahead (``"csp"`` only, no budget)."""
+    size = len(window.architectures)
+    if upcoming is not None or done:
+        if schedule_mode != "csp" or memory_budget is not None:
+            raise ValueError("lookahead plans schedule='csp' without a memory budget only")
+        if upcoming is not None:
+            window = Window(window.first_index, window.architectures + upcoming.architectures,
+                            window.pieces + upcoming.pieces)
     resources = [[supernet.resources(blocks, arch) for blocks in stage_blocks] for arch in window.architectures]
+    if upcoming is not None or done:
+        def may_run_early(subnet: int, stage: int) -> bool:  # a forward may change buffers (BatchNorm)
+            return not any(supernet.resource_state(r).buffers for r in resources[subnet][stage])
+
+        step = plan_step(resources, size, chunks, done, may_run_early)
+        return WindowPlan(window, resources, step.schedule, schedule_mode, size, step.carried)
     planned = scheduling_resources(schedule_mode, resources)
     if memory_budget is not None:
         budget, sizes = memory_budget
         by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
         planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
-    return WindowPlan(window, resources, build_schedule(planned, chunks), schedule_mode)
+    return WindowPlan(window, resources, build_schedule(planned, chunks), schedule_mode, size)
 
 
 class BoundarySignals(Protocol):
@@ -113,6 +134,9 @@ class Engine:
         memory_budget: ``(bytes, per-stage resource sizes)``: schedule so that each stage's in-flight
             resources fit (see :func:`~.residency.memory_conflicts`); the same on every stage process.
         telemetry: records this stage's timeline (busy, waiting, drain, in-flight depth).
+        lookahead: run the next window's forwards in this window's drain when :meth:`train_window`
+            is given the next window's batches (see :mod:`.lookahead`); ``"csp"`` with several stages,
+            no offloader and no memory budget only. Results never depend on it.
     """
 
     def __init__(
@@ -125,6 +149,7 @@ class Engine:
         offloader: Offloader | None = None,
         memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None,
         telemetry: StageTelemetry | None = None,
+        lookahead: bool = False,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -140,6 +165,12 @@ class Engine:
         self.busy_s = 0.0
         #: Flags the stages agree on at each window's end (preemption signals); set by the strategy.
         self.signals: BoundarySignals | None = None
+        self.lookahead = lookahead
+        #: Forwards (chunks) this stage has run in the window before their own (lookahead).
+        self.forwards_ahead = 0
+        # The next window with the forwards this stage already ran for it, and what they keep for backward.
+        self._ahead: tuple[Window, frozenset[tuple[int, Action]]] | None = None
+        self._stash: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
 
     @property
     def blocks(self) -> range:
@@ -155,17 +186,47 @@ class Engine:
             found.update({f"telemetry/{k}": v for k, v in self.telemetry.metrics().items()})
         return found
 
-    def train_window(self, module: EngineModule, batches: Sequence[Any], first_index: int) -> Window:
+    def train_window(self, module: EngineModule, batches: Sequence[Any], first_index: int,
+                     upcoming: Sequence[Any] | None = None) -> Window:
         """Train subnets ``first_index, first_index + 1, ...`` on ``batches``, one batch each.
+
+        Args:
+            upcoming: the next window's batches, if it is known to follow: with :attr:`lookahead`, some
+                of its forwards run in this window's drain. Every stage must pass the same.
 
         Returns:
             The window: its architectures and, on the last stage, each subnet's loss.
         """
         supernet = module.supernet
-        architectures = [supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
-        window = Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
+        window = self._window(module, batches, first_index)
+        done: frozenset[tuple[int, Action]] = frozenset()
+        if self._ahead is not None:
+            ahead, done = self._ahead
+            if ahead.first_index == first_index and len(ahead.architectures) == len(batches):
+                window, self._ahead = ahead, None  # the batches the forwards run ahead used
+            else:
+                self.drop_lookahead()
+                done = frozenset()
+        looks_ahead = (self.lookahead and len(self.stage_blocks) > 1 and self.schedule == "csp"
+                       and self.offloader is None and self.memory_budget is None)
+        following = self._window(module, upcoming, first_index + len(batches)) if upcoming and looks_ahead else None
         return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule, self.chunks,
-                                                   self.memory_budget))
+                                                   self.memory_budget, following, done))
+
+    def drop_lookahead(self) -> None:
+        """Forget the forwards run ahead for a next window that did not come (e.g. the epoch ended)."""
+        if self._ahead is None:
+            return
+        first = self._ahead[0].first_index
+        self._ahead = None
+        for key in [key for key in self._stash if key[0] >= first]:
+            del self._stash[key]
+        if self.transport is not None:
+            self.transport.drop_from(first)
+
+    def _window(self, module: EngineModule, batches: Sequence[Any], first_index: int) -> Window:
+        architectures = [module.supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
+        return Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
 
     def run_window(self, module: EngineModule, plan: WindowPlan) -> Window:
         """Run this stage's row of ``plan``: forwards, backwards and per-subnet updates."""
@@ -185,22 +246,29 @@ class Engine:
         if self.telemetry is not None:
             self.telemetry.begin_window()
         if self.transport is not None:
-            self.transport.begin_window(plan.schedule)
+            self.transport.begin_window(plan.schedule, window.first_index)
         start, waited = time.perf_counter(), getattr(self.transport, "wait_s", 0.0)
         executor.run(actions, window, update, residency.before_forward if residency else None)
         self.busy_s += time.perf_counter() - start - (getattr(self.transport, "wait_s", 0.0) - waited)
         if residency is not None:
             residency.finish()
+        own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size])
+        own.losses = window.losses[:plan.size]
+        if plan.size < len(window.architectures):
+            following = Window(window.first_index + plan.size, window.architectures[plan.size:],
+                               window.pieces[plan.size:])
+            self._ahead = (following, plan.carried)
+            self.forwards_ahead += sum(s == self.stage for s, _ in plan.carried)
         if self.transport is not None:
             self.transport.end_window()
             flags = self.signals.flags() if self.signals is not None else ()
-            losses, agreed = self.transport.share_window_end(window.losses, flags)
-            window.losses = list(losses)
+            losses, agreed = self.transport.share_window_end(own.losses, flags)
+            own.losses = list(losses)
             if self.signals is not None:
                 self.signals.agreed(agreed)
         if self.telemetry is not None:
             self.telemetry.end_window()
-        return window
+        return own
 
     def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
         """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
@@ -221,7 +289,7 @@ class Engine:
 
     def _executor(self, module: EngineModule, telemetry: StageTelemetry | None) -> StageExecutor:
         return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
-                             self.transport, telemetry)
+                             self.transport, telemetry, self._stash)
 
     def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
         """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then

@@ -31,9 +31,11 @@ EVALUATION_INDEX = -1
 class Transport(Protocol):
     """Moves activations to the next stage and gradients to the previous one (see ``transport.py``)."""
 
-    def begin_window(self, schedule: Schedule) -> None: ...
+    def begin_window(self, schedule: Schedule, first_index: int) -> None: ...
 
     def end_window(self) -> None: ...
+
+    def drop_from(self, first_index: int) -> None: ...
 
     def share(self, value: Any) -> Any: ...
 
@@ -97,6 +99,8 @@ class StageExecutor:
         seed: the run's seed, keying each block's randomness.
         transport: how tensors reach neighbouring stages; unused with one stage.
         telemetry: records the actions' timeline, if given.
+        stash: where forwards keep what their backward needs, by global ``(subnet, chunk)``; pass the
+            same one to the next window's executor when forwards run ahead (see :mod:`.lookahead`).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class StageExecutor:
         seed: int,
         transport: Transport | None = None,
         telemetry: StageTelemetry | None = None,
+        stash: dict[tuple[int, int], list[tuple[Any, Any]]] | None = None,
     ) -> None:
         if num_stages > 1 and transport is None:
             raise ValueError("a multi-stage executor needs a transport")
@@ -119,9 +124,9 @@ class StageExecutor:
         self.telemetry = telemetry
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
-        # (subnet, chunk) -> per block (input, output); the last block's output is replaced by
+        # (global subnet, chunk) -> per block (input, output); the last block's output is replaced by
         # the weighted loss on the last stage. Kept for backward.
-        self._stash: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
+        self._stash = {} if stash is None else stash
 
     def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None],
             first_forward: Callable[[int], None] | None = None) -> None:
@@ -183,12 +188,13 @@ class StageExecutor:
 
     def _forward(self, window: Window, k: int, c: int) -> None:
         piece, weight = window.pieces[k][c]
+        index = window.first_index + k
         if self.is_first:
             x = self.module.pipeline_input(piece)
         else:
             assert self.transport is not None
-            x = self.transport.recv_activation(k, c)
-        saved = list(self._run_blocks(x, window.architectures[k], window.first_index + k, c))
+            x = self.transport.recv_activation(index, c)
+        saved = list(self._run_blocks(x, window.architectures[k], index, c))
         y = saved[-1][1]
         if self.is_last:
             loss = self.module.compute_loss(y, piece)
@@ -201,26 +207,27 @@ class StageExecutor:
             saved[-1] = (saved[-1][0], loss)
         else:
             assert self.transport is not None
-            self.transport.send_activation(k, c, y)
-        self._stash[(k, c)] = saved
+            self.transport.send_activation(index, c, y)
+        self._stash[(index, c)] = saved
 
     def _backward(self, window: Window, k: int, c: int) -> None:
         """Backward block by block, last to first: each block's outputs get the gradients its
         successor's input leaves collected (see :mod:`.boundary`)."""
-        saved = self._stash.pop((k, c))
+        index = window.first_index + k
+        saved = self._stash.pop((index, c))
         inputs, outputs = saved.pop()
         if self.is_last:
             self.module.manual_backward(outputs)
         else:
             assert self.transport is not None
-            backward_through(outputs, self.transport.recv_gradient(k, c))
+            backward_through(outputs, self.transport.recv_gradient(index, c))
         while saved:
             grads = leaf_grads(inputs)
             inputs, outputs = saved.pop()
             backward_through(outputs, grads)
         if not self.is_first:
             assert self.transport is not None
-            self.transport.send_gradient(k, c, leaf_grads(inputs))
+            self.transport.send_gradient(index, c, leaf_grads(inputs))
 
 
 def _describe(value: Any) -> str:

@@ -162,7 +162,8 @@ class NASPipeMixin:
         first = trainer.global_step
         if trainer.max_steps >= 0:
             batches = batches[: max(0, trainer.max_steps - first)]
-        window = engine.train_window(cast("EngineModule", self), batches, first)
+        upcoming = pipeline.upcoming_batches(first + len(batches)) if pipeline is not None and batches else None
+        window = engine.train_window(cast("EngineModule", self), batches, first, upcoming)
         if pipeline is not None:
             pipeline.report_stages()
             for name, value in pipeline.stage_metrics().items():

@@ -154,7 +154,8 @@ def _csp_gates(res: Sequence[Sequence[frozenset[Hashable]]]) -> list[list[int]]:
     return gates
 
 
-def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = None, *, latency: int = 0) -> Schedule:
+def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = None, *, latency: int = 0,
+                   done: AbstractSet[tuple[int, Action]] = frozenset()) -> Schedule:
     """Simulate the CSP pipeline for one window and return per-stage action orders.
 
     Args:
@@ -165,6 +166,9 @@ def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = 
             every F, B and U.
         latency: Extra ticks before a cross-stage message (activation or gradient)
             can be used by the receiver. Default 0.
+        done: ``(stage, action)`` pairs that already ran (forwards looked ahead in an earlier window,
+            see :mod:`.lookahead`): they count as finished before tick 0 and are not in the result.
+            Every dependency of a done action must be done too.
 
     Returns:
         The deterministic list schedule (greedy: a stage never idles while ready).
@@ -201,6 +205,20 @@ def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = 
         if target is not None:
             buckets[when].append(target)
 
+    def dependents(s: int, rank: int, i: int, c: int) -> list[tuple[int, tuple[int, int, int, int]]]:
+        """``(delay, dependent)`` of each action that waits for this one."""
+        if rank == _F:  # feeds the next stage, the next chunk and its own backward
+            found = [(latency, (s + 1, _F, i, c))] if s < last else []
+            found += [(0, (s, _F, i, c + 1))] if c + 1 < chunks else []
+            return found + [(0, (s, _B, i, c))]
+        if rank == _B:  # feeds the previous stage, then the next chunk or the update
+            found = [(latency, (s - 1, _B, i, c))] if s > 0 else []
+            return found + [(0, (s, _B, i, c + 1) if c + 1 < chunks else (s, _U, i, 0))]
+        # An update feeds the next update and the forwards CSP-gated on it.
+        return [(0, (s, _U, i + 1, 0))] * (i + 1 < n) + [(0, (s, _F, j, 0)) for j in waiters[s][i]]
+
+    if done:
+        _retire(done, ready, left, acts, dependents)
     start: dict[tuple[int, Action], int] = {}
     finish: dict[tuple[int, Action], int] = {}
     orders: list[list[Action]] = [[] for _ in range(num_stages)]
@@ -219,29 +237,42 @@ def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = 
             ticks = 1 if cost is None else cost(s, action)
             if type(ticks) is not int or ticks < 1:  # not _check_int: no f-string per action
                 raise ValueError(f"cost({s}, {action}) must be an int >= 1, got {ticks!r}")
-            done = now + ticks
-            start[(s, action)], finish[(s, action)] = now, done
+            ends = now + ticks
+            start[(s, action)], finish[(s, action)] = now, ends
             orders[s].append(action)
-            busy_until[s] = done
-            notify(done, None)  # wake this stage at `done` even if no dependency lands then
-            if rank == _F:  # feeds the next stage, the next chunk and its own backward
-                if s < last:
-                    notify(done + latency, (s + 1, _F, i, c))
-                if c + 1 < chunks:
-                    notify(done, (s, _F, i, c + 1))
-                notify(done, (s, _B, i, c))
-            elif rank == _B:  # feeds the previous stage, then the next chunk or the update
-                if s > 0:
-                    notify(done + latency, (s - 1, _B, i, c))
-                notify(done, (s, _B, i, c + 1) if c + 1 < chunks else (s, _U, i, 0))
-            else:  # feeds the next update and the forwards CSP-gated on this one
-                if i + 1 < n:
-                    notify(done, (s, _U, i + 1, 0))
-                for j in waiters[s][i]:
-                    notify(done, (s, _F, j, 0))
-    if len(start) != num_stages * n * (2 * chunks + 1):  # unreachable: the dependency graph is acyclic
+            busy_until[s] = ends
+            notify(ends, None)  # wake this stage when it ends even if no dependency lands then
+            for delay, target in dependents(s, rank, i, c):
+                notify(ends + delay, target)
+    if len(start) + len(done) != num_stages * n * (2 * chunks + 1):  # unreachable: the graph is acyclic
         raise ScheduleError("internal: simulation ended with unscheduled actions")
     return Schedule(tuple(tuple(o) for o in orders), MappingProxyType(start), MappingProxyType(finish))
+
+
+def _retire(done: AbstractSet[tuple[int, Action]], ready: list[list[tuple[int, int, int]]],
+            left: list[list[list[list[int]]]], acts: list[list[list[Action]]],
+            dependents: Callable[[int, int, int, int], list[tuple[int, tuple[int, int, int, int]]]]) -> None:
+    """Finish the ``done`` actions before tick 0: their dependents' counts drop, none of them runs."""
+    pending = [(s, entry) for s, heap in enumerate(ready) for entry in heap if (s, acts[entry[0]][entry[1]][entry[2]])
+               in done]
+    for s, entry in pending:
+        ready[s].remove(entry)
+    for heap in ready:
+        heapq.heapify(heap)
+    retired = 0
+    while pending:
+        s, (rank, i, c) = pending.pop()
+        retired += 1
+        for _, (ts, tr, ti, tc) in dependents(s, rank, i, c):
+            left[ts][tr][ti][tc] -= 1
+            if left[ts][tr][ti][tc] == 0:
+                if (ts, acts[tr][ti][tc]) in done:
+                    pending.append((ts, (tr, ti, tc)))
+                else:
+                    heapq.heappush(ready[ts], (tr, ti, tc))
+    if retired != len(done):
+        raise ValueError(f"done holds {len(done) - retired} action(s) whose dependencies are not done, or that no "
+                         "window has: done actions must be closed under the schedule's dependencies")
 
 
 def _require(ok: bool, rule: str, detail: str, *args: object) -> None:

@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_naspipe.arguments import check_all
 from lightning_naspipe.binding import NamespaceBinding, bind_classes
 from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler
+from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler, transfer_hooks_overridden
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
@@ -89,6 +89,12 @@ class NASPipeStrategy(NamespaceBinding):
             on the devices; it costs host-device copies (mostly hidden by the prefetch).
         offload_budget_bytes: with ``offload``, an optional cap on each stage's device-resident
             bytes for prefetching and caching; a subnet whose stage alone exceeds it is an error.
+        lookahead: while a window drains, run forwards of the next one (already fetched by Lightning)
+            on the stages that would idle, on every stage but the last and only through blocks without
+            buffers, so every weight, buffer and gradient at a window's end is what sequential training
+            has there (see :mod:`.lookahead`). Off with ``offload``, with a schedule other than
+            ``"csp"``, and when the module or datamodule overrides a batch-transfer hook (Lightning
+            would run it on the next batch again). Results never depend on it.
         telemetry: log each stage's busy, waiting and drain time and in-flight depth
             (``telemetry/<stat>_stage<k>``) through the Trainer's loggers.
         trace_dir: also keep every action's interval and, when ``fit`` ends, write
@@ -124,6 +130,7 @@ class NASPipeStrategy(NamespaceBinding):
         rebalance_every: int | None = 16,
         offload: bool = False,
         offload_budget_bytes: int | None = None,
+        lookahead: bool = True,
         telemetry: bool = False,
         trace_dir: str | None = None,
         timeout: timedelta | float = timedelta(minutes=3),
@@ -139,8 +146,8 @@ class NASPipeStrategy(NamespaceBinding):
         checked = check_all(dict(
             window=window, chunks=chunks, num_stages=num_stages, balance=balance, schedule=schedule,
             rebalance_every=rebalance_every, offload=offload, offload_budget_bytes=offload_budget_bytes,
-            telemetry=telemetry, trace_dir=trace_dir, timeout=timeout, process_group_backend=process_group_backend,
-            transport=transport, start_method=start_method))
+            lookahead=lookahead, telemetry=telemetry, trace_dir=trace_dir, timeout=timeout,
+            process_group_backend=process_group_backend, transport=transport, start_method=start_method))
         self._init_plugins(accelerator=accelerator, parallel_devices=parallel_devices,
                            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                            precision_plugin=precision_plugin)
@@ -155,6 +162,7 @@ class NASPipeStrategy(NamespaceBinding):
         self.schedule = schedule
         self.offload = offload
         self.offload_budget_bytes = offload_budget_bytes
+        self.lookahead = lookahead
         self.telemetry = telemetry or trace_dir is not None
         self.trace_dir = trace_dir
         self.timeout: timedelta = checked["timeout"]
@@ -216,7 +224,9 @@ class NASPipeStrategy(NamespaceBinding):
                                      links=self.transport)
             transport.telemetry = telemetry
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
-                             schedule=self.schedule, telemetry=telemetry)
+                             schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload)
+        self._loader: WindowLoader | None = None
+        self._batch_at = self._ahead_for = (0, 0)  # (epoch, batch_idx) of this window, of the lookahead's
         if self.world_size > 1:
             supernet.local_blocks = self.engine.blocks
         super().setup(trainer)
@@ -254,12 +264,32 @@ class NASPipeStrategy(NamespaceBinding):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_at = (self._trainer().current_epoch, batch_idx)
+        if self.engine is not None and self._ahead_for != self._batch_at:
+            self.engine.drop_lookahead()  # the window it ran for did not come next (an epoch ended early)
+        self._ahead_for = (-1, -1)
         if self._time_first_batch:
             self._time_first_batch = False
             self._balance_by_time(batch[0])
         self._windows += 1
         if self.rebalance_every and self.world_size > 1 and self._windows % self.rebalance_every == 0:
             self._rebalance()
+
+    def upcoming_batches(self, first_index: int) -> list[Any] | None:
+        """The next window's batches, on this stage's device, for the engine's lookahead: the window
+        Lightning already fetched to train next in this epoch; ``None`` where lookahead cannot be used."""
+        trainer = self._trainer()
+        upcoming = self._loader.handed_out.get(first_index) if self._loader is not None else None
+        if (upcoming is None or self.engine is None or not self.engine.lookahead or self.world_size == 1
+                or (self.rebalance_every and (self._windows + 1) % self.rebalance_every == 0)  # blocks move first
+                or transfer_hooks_overridden(trainer, self.lightning_module)):
+            return None
+        if trainer.max_steps >= 0:
+            upcoming = upcoming[: max(0, trainer.max_steps - first_index)]
+        if not upcoming:
+            return None
+        self._ahead_for = (self._batch_at[0], self._batch_at[1] + 1)
+        return list(self.batch_to_device(upcoming))
 
     def _balance_by_time(self, batch: Any) -> None:
         """Time the blocks on ``batch`` (the window's first) on this stage's device and move to the split
@@ -401,7 +431,8 @@ class NASPipeStrategy(NamespaceBinding):
             return dataloader
         # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window (a private attribute).
         triggers = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
-        return WindowLoader(dataloader, self.window, self.data_tracker, triggers)  # type: ignore[arg-type]
+        self._loader = WindowLoader(dataloader, self.window, self.data_tracker, triggers)  # type: ignore[arg-type]
+        return self._loader
 
     @classmethod
     @override

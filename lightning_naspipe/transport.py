@@ -94,20 +94,33 @@ class P2PTransport:
         """Point-to-point messages this stage has sent (with ``torch`` links, size announcements too)."""
         return self.links.messages_sent
 
-    def begin_window(self, schedule: Schedule) -> None:
-        """Learn the order in which the neighbours will send during this window."""
-        if self.stage > 0:
-            self._expected["forward"] = list(schedule.sends(self.stage - 1, "forward"))[::-1]
-            if self._expected["forward"]:
-                self.links.post(self.stage - 1)
-        if self.stage < len(self.ranks) - 1:
-            self._expected["backward"] = list(schedule.sends(self.stage + 1, "backward"))[::-1]
-            if self._expected["backward"]:
-                self.links.post(self.stage + 1)
+    def begin_window(self, schedule: Schedule, first_index: int = 0) -> None:
+        """Learn the order in which the neighbours will send during this window, whose subnet 0 is
+        global subnet ``first_index`` (messages are keyed by global subnet)."""
+        for link, peer in (("forward", self.stage - 1), ("backward", self.stage + 1)):
+            if 0 <= peer < len(self.ranks):
+                sends = [(first_index + i, c) for i, c in schedule.sends(peer, link)]
+                self._expected[link] = sends[::-1]
+                if sends:
+                    self.links.post(peer)
 
     def end_window(self) -> None:
-        """Wait until every message this stage sent has been delivered."""
+        """Take what the neighbours sent during this window and this stage has not used yet (forwards run
+        ahead for the next window, see :mod:`.lookahead`), and wait until every message this stage sent
+        has been delivered: the links are then empty between windows."""
+        for link, peer in (("forward", self.stage - 1), ("backward", self.stage + 1)):
+            expected = self._expected[link]
+            while expected:
+                self._buffer[link][expected.pop()] = self._recv(peer)
+                if expected:
+                    self.links.post(peer)
         self.links.flush()
+
+    def drop_from(self, first_index: int) -> None:
+        """Forget messages received for subnets ``first_index`` and later (a lookahead dropped)."""
+        for buffer in self._buffer.values():
+            for key in [key for key in buffer if key[0] >= first_index]:
+                del buffer[key]
 
     def close(self) -> None:
         """Release the links (shared memory, FIFOs); the transport is unusable afterwards."""

@@ -31,8 +31,11 @@ class ToyBody(lnp.NASPipeMixin):
         super().__init__()
         self.lr = lr
         self.losses: dict[int, torch.Tensor] = {}
+        # LNP_TEST_CHOICE_STEM=1: a choice of stems, so that the next window's forwards can run early.
+        stem = (lnp.ChoiceBlock([nn.Linear(FEATURES, width) for _ in range(4)])
+                if os.environ.get("LNP_TEST_CHOICE_STEM") else nn.Linear(FEATURES, width))
         self.supernet = lnp.Supernet(
-            nn.Linear(FEATURES, width),  # trainable stem: conflicts with every subnet
+            stem,  # trainable stem: conflicts with every subnet
             lnp.ChoiceBlock([nn.Sequential(nn.Linear(width, width), nn.ReLU()), nn.Identity(),
                              nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3))]),
             lnp.ChoiceBlock({"bn": nn.BatchNorm1d(width), "tanh": nn.Tanh(), "lin": nn.Linear(width, width)},

@@ -39,14 +39,24 @@ class LocalTransport:
         self._expected: dict[int, list[tuple[int, int]]] = {}
         self._early: dict[int, dict[tuple[int, int], Any]] = {}
 
-    def begin_window(self, schedule: Schedule) -> None:
+    def begin_window(self, schedule: Schedule, first_index: int = 0) -> None:
         if self.stage > 0:
-            self._expected[self.stage - 1] = list(schedule.sends(self.stage - 1, "forward"))
+            self._expected[self.stage - 1] = [(first_index + i, c)
+                                              for i, c in schedule.sends(self.stage - 1, "forward")]
         if self.stage < self.world.stages - 1:
-            self._expected[self.stage + 1] = list(schedule.sends(self.stage + 1, "backward"))
+            self._expected[self.stage + 1] = [(first_index + i, c)
+                                              for i, c in schedule.sends(self.stage + 1, "backward")]
 
     def end_window(self) -> None:
-        pass
+        for frm, expected in self._expected.items():  # what was sent ahead for the next window
+            early = self._early.setdefault(frm, {})
+            while expected:
+                early[expected.pop(0)] = self._take(frm)
+
+    def drop_from(self, first_index: int) -> None:
+        for early in self._early.values():
+            for key in [key for key in early if key[0] >= first_index]:
+                del early[key]
 
     def _put(self, to: int, value: Any) -> None:
         self.world.queues.setdefault((self.stage, to), []).append(wire.pack(value, torch.device("cpu")))
@@ -93,11 +103,17 @@ class LocalTransport:
 
 
 def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches: Sequence[Any], window: int,
-                    chunks: int = 1, schedule: str = "csp") -> list[Tensor]:
-    """Train ``batches`` through ``len(stage_blocks)`` stages in this process; the per-subnet losses."""
+                    chunks: int = 1, schedule: str = "csp", lookahead: bool = True,
+                    engines: list[Engine] | None = None, epoch_ends: Sequence[int] = ()) -> list[Tensor]:
+    """Train ``batches`` through ``len(stage_blocks)`` stages in this process; the per-subnet losses.
+    Each window is given the next one's batches, as the strategy does; ``engines`` (if given) is filled
+    with the stage engines. Before each window starting at one of ``epoch_ends``, the window before
+    was given other batches as its next (an epoch that ended early) and the lookahead is dropped."""
     world = _World(len(stage_blocks))
-    engines = [Engine(stage_blocks, stage=s, chunks=chunks, transport=LocalTransport(world, s), schedule=schedule)
-               for s in range(len(stage_blocks))]
+    built = [Engine(stage_blocks, stage=s, chunks=chunks, transport=LocalTransport(world, s), schedule=schedule,
+                    lookahead=lookahead) for s in range(len(stage_blocks))]
+    if engines is not None:
+        engines[:] = built
     losses: list[Tensor] = []
     errors: list[BaseException] = []
 
@@ -110,13 +126,18 @@ def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches
         with world.baton:
             try:
                 for start in range(0, len(batches), window):
-                    windows.append(engine.train_window(module, batches[start:start + window], start))
+                    upcoming = batches[start + window:start + 2 * window]
+                    if start + window in epoch_ends:
+                        upcoming = upcoming[::-1]
+                    if start in epoch_ends:
+                        engine.drop_lookahead()
+                    windows.append(engine.train_window(module, batches[start:start + window], start, upcoming))
             except BaseException as error:  # reported by the driver
                 errors.append(error)
                 world.baton.notify_all()
 
-    results: list[list[Window]] = [[] for _ in engines]
-    threads = [threading.Thread(target=stage_thread, args=(e, r), daemon=True) for e, r in zip(engines, results)]
+    results: list[list[Window]] = [[] for _ in built]
+    threads = [threading.Thread(target=stage_thread, args=(e, r), daemon=True) for e, r in zip(built, results)]
     for t in threads:
         t.start()
     for t in threads:

@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
     parser.add_argument("--fake-block-costs", type=float, nargs="+", default=None,
                         help="what timing the first batch's blocks measures (records what it was timed on)")
+    parser.add_argument("--every-n-steps", type=int, default=0,
+                        help="also ModelCheckpoint(every_n_train_steps=N) into OUT.steps/, every checkpoint kept")
     parser.add_argument("--force-rebalance", action="store_true",
                         help="check the balance every window and move the first stage cut there and back")
     args = parser.parse_args()
@@ -100,7 +102,10 @@ def main() -> None:
                       EarlyStopping(monitor="val_loss", patience=5)]
         logging = {"logger": CSVLogger(args.log_dir, name="", version=""), "log_every_n_steps": 1,
                    "enable_checkpointing": True}
-    if args.exception_checkpoint:
+    if args.every_n_steps:
+        callbacks.append(ModelCheckpoint(dirpath=args.out + ".steps", every_n_train_steps=args.every_n_steps,
+                                         save_top_k=-1, filename="{step}"))
+    if args.exception_checkpoint or args.every_n_steps:
         logging["enable_checkpointing"] = True
     trainer = pl.Trainer(**trainer_kwargs(
         strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload,
@@ -120,6 +125,7 @@ def main() -> None:
     trainer.save_checkpoint(args.out)
     torch.save(model.state_dict(), f"{args.out}.rank{trainer.global_rank}")
     torch.save(trainer.strategy.stage_ranges, f"{args.out}.ranges{trainer.global_rank}")
+    torch.save(trainer.strategy.engine.forwards_ahead, f"{args.out}.ahead{trainer.global_rank}")
     if trainer.global_rank == 0:
         torch.save(model.losses, args.out + ".losses")
     if args.search:

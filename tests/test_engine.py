@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.engine import Engine
+import lightning_naspipe.engine as engine_module
+from inprocess import train_pipelined
+from lightning_naspipe.engine import Engine, plan_window
+from lightning_naspipe.executor import Window
 from lightning_naspipe.sampling import keyed_rng, uniform_architecture
 
 SEED = 11
@@ -177,3 +180,68 @@ def test_metrics_name_each_source_and_are_empty_without_one() -> None:
     found = Engine([range(2)], telemetry=StageTelemetry(0)).metrics()
     assert found and all(name.startswith("telemetry/") for name in found)
     assert "telemetry/busy_s" in found
+
+
+def _lookahead_supernet() -> lnp.Supernet:
+    """No block every subnet trains, so the next window's forwards can run early; BatchNorm keeps the
+    subnets that choose it in their window on its stage."""
+    torch.manual_seed(1)
+    return lnp.Supernet(
+        lnp.ChoiceBlock([nn.Linear(5, 7), nn.Sequential(nn.Linear(5, 7), nn.Tanh())]),
+        lnp.ChoiceBlock([nn.Linear(7, 7), nn.BatchNorm1d(7), nn.Sequential(nn.Dropout(0.3), nn.Linear(7, 7))]),
+        lnp.ChoiceBlock([nn.Linear(7, 7), nn.ReLU()]),
+        lnp.ChoiceBlock([nn.Linear(7, 2), nn.Sequential(nn.Tanh(), nn.Linear(7, 2))]),
+    )
+
+
+@pytest.mark.parametrize(("ranges", "chunks", "epoch_ends"), [
+    ([range(0, 2), range(2, 4)], 1, ()),
+    ([range(0, 1), range(1, 3), range(3, 4)], 2, ()),
+    ([range(0, 2), range(2, 4)], 2, (6,)),
+])
+def test_lookahead_runs_the_next_windows_forwards_early_with_the_same_result(
+        monkeypatch: pytest.MonkeyPatch, ranges: list[range], chunks: int, epoch_ends: tuple[int, ...]) -> None:
+    data = batches(12)
+    reference = FakeModule(_lookahead_supernet())
+    engine = Engine([range(4)], chunks=chunks)
+    expected = [loss for start in range(0, 12, 3) for loss in engine.train_window(reference, data[start:start + 3],
+                                                                                  start).losses]
+    carried: list[int] = []
+    real_plan_step = engine_module.plan_step
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        plan = real_plan_step(*args, **kwargs)
+        carried.append(len(plan.carried))
+        return plan
+
+    monkeypatch.setattr(engine_module, "plan_step", recording)
+    module = FakeModule(_lookahead_supernet())
+    losses = train_pipelined(module, ranges, data, 3, chunks, epoch_ends=epoch_ends)  # type: ignore[arg-type]
+    assert sum(carried) > 0, "some forwards ran in the window before theirs"
+    assert all(torch.equal(a, b) for a, b in zip(expected, losses)) and len(losses) == 12
+    for (name, a), b in zip(reference.supernet.state_dict().items(), module.supernet.state_dict().values()):
+        assert torch.equal(a, b), name
+    ref_state, state = reference.optimizer.state_dict()["state"], module.optimizer.state_dict()["state"]
+    assert ref_state.keys() == state.keys()
+    assert all(torch.equal(ref_state[k][f], state[k][f]) for k in ref_state for f in ref_state[k])
+
+
+def test_a_forward_through_buffers_is_not_run_ahead() -> None:
+    """BatchNorm's running statistics change in a training forward, and a checkpoint between the
+    windows would hold them: such a forward stays in its own window, on the stage of that block only."""
+    supernet = _lookahead_supernet()
+    label = "block1"
+
+    def window(first: int, picks: list[int]) -> Window:
+        # This window's subnets share candidate 0 everywhere; the next window's share nothing with them.
+        other = {"block0": 1, "block2": 1, "block3": 1} if first else {}
+        architectures = [{**{name: 0 for name in supernet.labels}, **other, label: pick} for pick in picks]
+        return Window(first, architectures, [[(None, 1.0)] for _ in picks])
+
+    ranges = [range(0, 1), range(1, 2), range(2, 4)]
+    early = {}
+    for pick in (1, 2):  # BatchNorm, or a Linear
+        plan = plan_window(supernet, window(0, [0, 0, 0]), ranges, "csp", 1, upcoming=window(3, [pick]))
+        early[pick] = {(s, a.subnet) for s, a in plan.carried}
+    assert early[2] == {(0, 0), (1, 0)}, "subnet 3 forwards ahead on every stage but the last"
+    assert early[1] == {(0, 0)}, "but not through BatchNorm on stage 1"

@@ -128,6 +128,25 @@ def test_stop_on_two_stages_resume_on_three_and_one(tmp_path: Path, plain: dict)
         assert_same_state(plain, _state(resumed))
 
 
+def test_lookahead_checkpoints_mid_window_pair_and_resumes_bitwise(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A choice of stems lets stage 0 run the next window's forwards in this window's drain (default
+    settings). Checkpoints every 4 subnets are written while such forwards are carried; the run and a
+    resume from one of them on 3 stages equal the plain Trainer."""
+    monkeypatch.setenv("LNP_TEST_CHOICE_STEM", "1")
+    plain = _plain_state(tmp_path, max_epochs=2)
+    run = _launch(tmp_path, "--devices", "2", "--window", "4", "--every-n-steps", "4", LNP_TEST_CHOICE_STEM="1")
+    assert torch.load(f"{run}.ahead0") > 0, "stage 0 ran forwards ahead"
+    assert torch.load(f"{run}.ahead1") == 0, "never the last stage"
+    assert_same_state(plain, _state(run))
+    middle = Path(f"{run}.steps") / "step=8.ckpt"  # mid-epoch: window 3's forwards had run on stage 0
+    assert torch.load(middle, weights_only=False)["global_step"] == 8
+    losses = torch.load(f"{run}.losses", weights_only=False)
+    torch.save({k: v for k, v in losses.items() if k < 8}, f"{middle}.losses")  # the resumed run adds its own
+    resumed = _launch(tmp_path, "--devices", "3", "--resume", str(middle), name="resumed", LNP_TEST_CHOICE_STEM="1")
+    assert_same_state(plain, _state(resumed))
+
+
 def test_lightning_namespace_equals_plain_and_checkpoints_cross_namespaces(tmp_path: Path, plain: dict) -> None:
     # `plain` ran under pytorch_lightning; here the stage processes run lightning.pytorch.
     assert_same_state(plain, _state(_launch(tmp_path, "--devices", "2", name="lightning",

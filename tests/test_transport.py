@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lightning_naspipe.boundary import map_tensors, tensors_in
 
-from lightning_naspipe.schedule import build_schedule
+from lightning_naspipe.schedule import Action, Schedule, build_schedule
 from lightning_naspipe.shm_links import SharedMemoryLinks
 from lightning_naspipe.transport import P2PTransport, StageFailure
 from helpers import spawn_gloo_pair
@@ -54,6 +54,25 @@ def _worker(rank: int, init_method: str, results: dict, links: Any) -> None:
         got = {key: transport.recv_activation(*key) for key in reversed(sends)}
         results["ok"] = all(_same(got[key], VALUES[i % len(VALUES)]) for i, key in enumerate(sends))
         results["grad"] = all(t.requires_grad == t.is_floating_point() for v in got.values() for t in tensors_in(v))
+    gradients = schedule.sends(1, "backward")
+    if rank == 1:  # gradients back, received in another order than sent, too
+        for i, (subnet, chunk) in enumerate(gradients):
+            transport.send_gradient(subnet, chunk, STEADY[i])
+    else:
+        back = {key: transport.recv_gradient(*key) for key in reversed(gradients)}
+        results["gradients"] = all(torch.equal(back[key], STEADY[i]) for i, key in enumerate(gradients))
+    transport.end_window()
+    # A forward run ahead: stage 0 sends subnet 100's activation, stage 1 uses it only in the next window.
+    transport.begin_window(Schedule(((Action("F", 0),), ()), {}, {}), first_index=100)
+    if rank == 0:
+        transport.send_activation(100, 0, LOSSES[0])
+    transport.end_window()  # stage 1 takes the activation off the link: evaluation may use it next
+    transport.begin_window(Schedule(((), (Action("F", 0),)), {}, {}), first_index=100)
+    if rank == 1:
+        results["ahead"] = torch.equal(transport.recv_activation(100, 0), LOSSES[0])
+        transport._buffer["forward"][(200, 0)] = STEADY[2]
+        transport.drop_from(200)  # a lookahead dropped: its messages too
+        results["dropped"] = not transport._buffer["forward"]
     transport.end_window()
     before = transport.messages_sent
     for i, value in enumerate(STEADY):  # outside a window's schedule, as evaluation sends
@@ -82,7 +101,8 @@ def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order(links: str) ->
     results = spawn_gloo_pair(functools.partial(_worker, links=links))
     # Two processes of one host: shared memory unless asked otherwise.
     assert results["links0"] == results["links1"] == ("SharedMemoryLinks" if links == "auto" else "TorchLinks")
-    assert results["ok"] and results["grad"]
+    assert results["ok"] and results["grad"] and results["gradients"]
+    assert results["ahead"] and results["dropped"]
     assert all(results[f"steady{i}"] for i in range(len(STEADY)))
     for flags in ((1, 0), (0, 0)):
         for rank in (0, 1):
