@@ -20,21 +20,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.arguments import check_all
-from lightning_naspipe.binding import NamespaceBinding, bind_classes
+from lightning_naspipe.binding import bind_classes
 from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler, transfer_hooks_overridden
-from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
+from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.microbatch import check_batch_sizes
 from lightning_naspipe.mixin import NASPipeMixin
-from lightning_naspipe.offload import Offloader, estimated_bytes
-from lightning_naspipe.partition import block_weights, stage_ranges, tied_cuts
-from lightning_naspipe.placement import move_blocks, place_module, rebalanced
+from lightning_naspipe.partition import block_weights, stage_ranges
 from lightning_naspipe.preemption import SigtermAgreement
 from lightning_naspipe.progress import count_subnets
 from lightning_naspipe.stage_table import chunks_hint, stage_table
 from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.stage_placement import StagePlacement
 from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport import P2PTransport
 
@@ -45,7 +44,7 @@ from lightning_naspipe.transport import P2PTransport
 _SYNC_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
 
-class NASPipeStrategy(NamespaceBinding):
+class NASPipeStrategy(StagePlacement):
     """Trains a NASPipe supernet with causal-synchronous-parallel (CSP) pipelining.
 
     Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
@@ -202,7 +201,7 @@ class NASPipeStrategy(NamespaceBinding):
         assert self.lightning_module is not None, "the strategy is connected to a module"
         return self.lightning_module.trainer
 
-    # -- placement ----------------------------------------------------------------------------
+    # -- setup and the training loop ------------------------------------------------------------
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -226,7 +225,7 @@ class NASPipeStrategy(NamespaceBinding):
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload)
         self._loader: WindowLoader | None = None
-        self._batch_at = self._ahead_for = (0, 0)  # (epoch, batch_idx) of this window, of the lookahead's
+        self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
         if self.world_size > 1:
             supernet.local_blocks = self.engine.blocks
         super().setup(trainer)
@@ -237,20 +236,6 @@ class NASPipeStrategy(NamespaceBinding):
         count_subnets(trainer.progress_bar_callback, self.data_tracker, self.window)
         if self.world_size > 1:
             warnings.filterwarnings("ignore", message=_SYNC_ADVICE)  # the same filter once, however many fits
-
-    def _build_offloader(self) -> None:
-        assert self.engine is not None
-        supernet = supernet_of(self.lightning_module)
-        optimizer = self.optimizers[0] if self.optimizers else None
-        # Every stage process computes every stage's sizes from shapes alone: same schedule everywhere.
-        sizes = [{key: estimated_bytes(state, optimizer) for key, state in supernet.stage_resources(b).items()}
-                 for b in self.stage_ranges]
-        if self.engine.offloader is not None:
-            self.engine.offloader.close()
-        self.engine.offloader = Offloader(supernet.stage_resources(self.engine.blocks), optimizer,
-                                          self.root_device, self.offload_budget_bytes, sizes[self.stage])
-        if self.offload_budget_bytes is not None:
-            self.engine.memory_budget = (self.offload_budget_bytes, sizes)
 
     @override
     def on_train_start(self) -> None:
@@ -290,64 +275,6 @@ class NASPipeStrategy(NamespaceBinding):
             return None
         self._ahead_for = (self._batch_at[0], self._batch_at[1] + 1)
         return list(self.batch_to_device(upcoming))
-
-    def _balance_by_time(self, batch: Any) -> None:
-        """Time the blocks on ``batch`` (the window's first) on this stage's device and move to the split
-        that balances that time (collective)."""
-        assert self.lightning_module is not None
-        supernet = supernet_of(self.lightning_module)
-        example = self.lightning_module.pipeline_input(batch)  # type: ignore[operator]
-        weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast, self.root_device)
-        self._split_costs = (weights, "ms")
-        self._move_to(stage_ranges(supernet, self.world_size, None, weights),
-                      "balanced by block time measured on the first batch")
-
-    def _rebalance(self) -> None:
-        """Move one block off the busiest stage if its measured busy time says it is clearly the
-        bottleneck (collective; every rank decides alike from the same gathered times)."""
-        assert self.engine is not None
-        busy = gather_objects(self.engine.busy_s, self.world_size)
-        since = [b - a for a, b in zip(self._busy_before, busy)]
-        self._busy_before = busy
-        supernet = supernet_of(self.lightning_module)
-        ranges = rebalanced(self.stage_ranges, since, self._split_costs[0], tied_cuts(supernet))
-        if ranges is not None:
-            shares = ", ".join(f"{b:.2f}" for b in since)
-            self._move_to(ranges, f"rebalanced: stage busy seconds over the last {self.rebalance_every} windows "
-                                  f"were {shares}")
-
-    def _move_to(self, ranges: list[range], why: str) -> None:
-        """Hand blocks to their stages in ``ranges``, with weights and optimizer state (collective)."""
-        assert self.engine is not None
-        if ranges == self.stage_ranges:
-            return
-        before = [len(r) for r in self.stage_ranges]
-        supernet = supernet_of(self.lightning_module)
-        move_blocks(supernet, self.optimizers[0] if self.optimizers else None, self.stage_ranges, ranges,
-                    self.stage, self.root_device, on_device=not self.offload)
-        self.stage_ranges = self.engine.stage_blocks = ranges
-        supernet.local_blocks = self.engine.blocks
-        if self.offload:
-            self._build_offloader()
-        self._info(f"NASPipe: blocks per stage {[len(r) for r in ranges]} (was {before}), {why}.")
-
-    @override
-    def model_to_device(self) -> None:
-        # Only this stage's blocks go to the device (none with offload: the offloader moves them on demand).
-        assert self.lightning_module is not None
-        own = range(0) if self.offload else self.engine.blocks if self.engine is not None else None
-        place_module(self.lightning_module, supernet_of(self.lightning_module), own, self.root_device)
-
-    def _owned(self) -> set[int]:
-        assert self.engine is not None
-        supernet = supernet_of(self.lightning_module)
-        return {id(p) for i in self.engine.blocks for p in supernet.blocks[i].parameters()}
-
-    def sync_weights(self) -> None:
-        """Give every rank the full, current weights (collective)."""
-        if self.world_size > 1:
-            supernet = supernet_of(self.lightning_module)
-            sync_stage_weights(list(supernet.blocks), self.stage_ranges, list(range(self.world_size)), self.root_device)
 
     @override
     def on_train_end(self) -> None:
@@ -440,8 +367,6 @@ class NASPipeStrategy(NamespaceBinding):
         strategy_registry.register(
             cls.strategy_name, cls, description="NASPipe: reproducible CSP pipeline for supernets", override=True
         )
-
-
 
 
 bind_classes(NASPipeStrategy)

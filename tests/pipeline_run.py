@@ -67,7 +67,7 @@ def main() -> None:
                         help="check the balance every window and move the first stage cut there and back")
     args = parser.parse_args()
     if args.force_rebalance:
-        import lightning_naspipe.strategy as strategy_module
+        import lightning_naspipe.stage_placement as placement_module
 
         def alternate(ranges: list[range], busy: object, weights: object, forbidden: object) -> list[range] | None:
             grow = len(ranges[1]) > 1 and (len(ranges[0]) == 1 or ranges[0].stop % 2 == 1)
@@ -78,7 +78,7 @@ def main() -> None:
                 moves.write(f"{os.getpid()} {cut}\n")
             return [range(0, cut), range(cut, ranges[1].stop), *ranges[2:]]
 
-        strategy_module.rebalanced = alternate  # type: ignore[assignment]
+        placement_module.rebalanced = alternate  # type: ignore[assignment]
     if args.fake_block_costs:
         import lightning_naspipe.block_timing as block_timing
 
