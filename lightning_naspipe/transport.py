@@ -38,6 +38,10 @@ from lightning_naspipe.torch_links import TorchLinks
 TRANSPORTS = ("auto", "shared_memory", "torch")
 
 
+#: Where the previous stage's window-end flags wait in the activation link's buffer (no subnet is < 0).
+_FLAGS = (-1, 0)
+
+
 class StageFailure(RuntimeError):
     """A neighbouring stage failed or its process died."""
 
@@ -65,6 +69,8 @@ class P2PTransport:
         # Per incoming link: the (subnet, chunk) sequence still to arrive, and early arrivals.
         self._expected: dict[str, list[tuple[int, int]]] = {"forward": [], "backward": []}
         self._buffer: dict[str, dict[tuple[int, int], Any]] = {"forward": {}, "backward": {}}
+        # The previous stage's window-end flags (see share_window_end) are yet to be taken off the link.
+        self._flags_owed = False
         #: Seconds spent waiting for messages (the rest of a window's run is busy time).
         self.wait_s = 0.0
         #: What the first activation this stage sent looked like (see :func:`.stage_table.describe`).
@@ -100,6 +106,9 @@ class P2PTransport:
         for link, peer in (("forward", self.stage - 1), ("backward", self.stage + 1)):
             if 0 <= peer < len(self.ranks):
                 sends = [(first_index + i, c) for i, c in schedule.sends(peer, link)]
+                if link == "forward" and self._flags_owed:  # sent after the previous window's messages
+                    sends.insert(0, _FLAGS)
+                    self._flags_owed = False
                 self._expected[link] = sends[::-1]
                 if sends:
                     self.links.post(peer)
@@ -147,19 +156,26 @@ class P2PTransport:
 
     def share_window_end(self, losses: Sequence[Tensor | None],
                          flags: Sequence[int]) -> tuple[list[Tensor], list[int]]:
-        """At a window's end: the last stage's scalar losses on every stage, bit for bit, and each of
-        ``flags`` set (1) wherever any stage set it. Every stage passes as many flags.
+        """At a window's end: the last stage's scalar losses on every stage, bit for bit, and flags the
+        stages agree on. Every stage passes as many flags, and every stage gets the same agreed ones.
 
-        Point to point, not collectives: the flags travel up the pipeline, each stage adding its own,
-        and the last stage's losses come back down with the agreed flags, each stage relaying them.
-        That is two messages per link, which shared memory moves in microseconds; a gloo collective
-        took about half a millisecond, twice per window. The losses travel as
+        Point to point, not collectives, and nothing waits for an earlier stage: a stage finishes a
+        window after the later ones (its last backward needs theirs), so the flags travel up the
+        pipeline one window behind. Each stage ORs the flags the stage before sent at the end of the
+        previous window into its own and sends them on; the last stage's are the agreed flags, and they
+        come back down with its losses, each stage relaying them. A flag set on stage ``s`` is thus
+        agreed at the end of the window ``num_stages - 1 - s`` windows later, on every stage alike.
+        That is two messages per link, which shared memory moves in microseconds. The losses travel as
         ``[dtype code, loss0, loss1, ...]`` in float64, which holds float32, float16 and bfloat16 exactly.
         """
         last = len(self.ranks) - 1
         agreed = torch.tensor([int(bool(flag)) for flag in flags], dtype=torch.int64)
         if self.stage > 0:
-            agreed = torch.maximum(agreed, self._recv(self.stage - 1).cpu())
+            self._take_owed_flags()  # (a window without messages from the stage before)
+            upstream = self._buffer["forward"].pop(_FLAGS, None)  # none at the first window's end
+            if upstream is not None:
+                agreed = torch.maximum(agreed, upstream.cpu())
+            self._flags_owed = True
         if self.stage < last:
             self.links.send(self.stage + 1, agreed)
             packed, agreed = self._recv(self.stage + 1)
@@ -177,7 +193,14 @@ class P2PTransport:
         self.links.send(stage, value)
 
     def recv_value(self, stage: int) -> Any:
+        if stage == self.stage - 1:  # evaluation between windows: the flags come first
+            self._take_owed_flags()
         return self._recv(stage)
+
+    def _take_owed_flags(self) -> None:
+        if self._flags_owed:
+            self._buffer["forward"][_FLAGS] = self._recv(self.stage - 1)
+            self._flags_owed = False
 
     # -- messages -------------------------------------------------------------------------
 

@@ -32,6 +32,10 @@ VALUES = [
 # A window's losses as the last stage computed them: bit patterns a float32 round trip would change.
 LOSSES = [torch.tensor(1 / 3, dtype=torch.bfloat16), torch.tensor(1e-40, dtype=torch.bfloat16),
           torch.tensor(float("inf"), dtype=torch.bfloat16)]
+# Each window end's flags on stage 0 and stage 1, and what both agree on: stage 0's travel up one window
+# behind (stage 1 ends its windows first, and must not wait for stage 0's last backward).
+WINDOW_END_FLAGS = [((1, 0), (0, 0)), ((0, 1), (0, 0)), ((0, 0), (1, 0))]
+AGREED = [[0, 0], [1, 0], [1, 1]]
 # Values of one shape, as a stage boundary carries subnet after subnet: one message each.
 STEADY = [torch.full((4, 3), float(i)) for i in range(5)]
 
@@ -83,9 +87,14 @@ def _worker(rank: int, init_method: str, results: dict, links: Any) -> None:
     transport.end_window()
     results[f"steady_messages{rank}"] = transport.messages_sent - before
     results[f"shared{rank}"] = transport.share("from the last stage" if rank == 1 else None)
-    for flags in ((1, 0), (0, 0)):  # stage 0's flags reach the last stage; the last stage's losses come back
+    for k, flags in enumerate(WINDOW_END_FLAGS):  # the last stage's losses come back with the agreed flags
         losses = [loss if rank == 1 else None for loss in LOSSES]
-        results[f"window_end{rank}{flags}"] = transport.share_window_end(losses, flags if rank == 0 else (0, 0))
+        results[f"window_end{rank}_{k}"] = transport.share_window_end(losses, flags[rank])
+        if k == 1:  # an evaluation between windows: the flags stage 0 sent still reach stage 1's next window end
+            if rank == 0:
+                transport.send_value(1, STEADY[3])
+            else:
+                results["between"] = torch.equal(transport.recv_value(0), STEADY[3])
     transport.close()
     dist.destroy_process_group()
 
@@ -104,10 +113,11 @@ def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order(links: str) ->
     assert results["ok"] and results["grad"] and results["gradients"]
     assert results["ahead"] and results["dropped"]
     assert all(results[f"steady{i}"] for i in range(len(STEADY)))
-    for flags in ((1, 0), (0, 0)):
+    assert results["between"]
+    for k, expected in enumerate(AGREED):
         for rank in (0, 1):
-            losses, agreed = results[f"window_end{rank}{flags}"]
-            assert agreed == list(flags)
+            losses, agreed = results[f"window_end{rank}_{k}"]
+            assert agreed == expected, f"window end {k}, stage {rank}"
             assert [loss.dtype for loss in losses] == [torch.bfloat16] * len(LOSSES)
             assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(losses, LOSSES))
     # torch links announce the first value of a new size once; the others are a single message each.
