@@ -26,7 +26,7 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         spec = wide_spec(args.wide, args.blocks, args.block_ms)
     predictions = plan(spec, args.stages, args.window, args.chunks, args.schedule, subnets=args.subnets,
-                       seed=args.seed, batch_size=args.batch_size)
+                       seed=args.seed, batch_size=args.batch_size, lookahead=not args.no_lookahead)
     if args.json:
         print(json.dumps([p.to_dict() for p in predictions], indent=1))
         return 0
@@ -34,6 +34,7 @@ def _plan(args: argparse.Namespace) -> int:
     space = f"{len(spec.blocks)} blocks, {len(spec.labels())} choices" if args.spec else (
         f"wide: {args.blocks} choice blocks x {args.wide} candidates, {args.block_ms} ms forward per block")
     print(f"space: {space}; window {args.window}, chunks {args.chunks}, schedule {args.schedule}, "
+          f"lookahead {'off' if args.no_lookahead else 'on'}, "
           f"{predictions[0].subnets if predictions else 0} subnets simulated")
     print(table(predictions))
     if skipped:
@@ -62,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--subnets", type=int, default=None, help="subnets to simulate (default 64, whole windows)")
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per subnet, for samples/s")
+    p.add_argument("--no-lookahead", action="store_true",
+                   help="as NASPipeStrategy(lookahead=False): every window drains before the next starts")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.set_defaults(run=_plan)
     args = parser.parse_args(argv)

@@ -9,7 +9,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_naspipe.data import DataTracker, WindowLoader, check_loop_state_layout, order_generators, reopen_epoch
+from lightning_naspipe.data import (
+    DataTracker,
+    WindowLoader,
+    check_loop_state_layout,
+    order_generators,
+    reopen_epoch,
+    transfer_hooks_overridden,
+)
 from lightning_naspipe.errors import NASPipeConfigError
 
 
@@ -155,3 +162,42 @@ def test_windows_end_at_step_triggers() -> None:
     windows = list(WindowLoader(loader, 5, DataTracker(lambda: trainer), step_triggers=[8, 6]))
     ends = list(itertools.accumulate(len(w) for w in windows))
     assert [3 + e for e in ends] == [6, 8, 12, 16, 18, 23]  # never across a multiple of 6 or 8
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_transfer_hooks_overridden_by_the_module_or_the_datamodule(namespace: str) -> None:
+    """Lookahead moves the next window's batches to the device early; a batch-transfer hook of the user's
+    would run twice on them (augmentation would differ), so any override turns it off."""
+    import importlib
+
+    pl = importlib.import_module(namespace)
+
+    class Plain(pl.LightningModule):
+        pass
+
+    class Augmenting(pl.LightningModule):
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            return batch
+
+    class Moving(pl.LightningDataModule):
+        def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+            return batch
+
+    bare = SimpleNamespace(datamodule=None)
+    assert not transfer_hooks_overridden(bare, Plain())
+    assert transfer_hooks_overridden(bare, Augmenting())
+    assert not transfer_hooks_overridden(SimpleNamespace(datamodule=pl.LightningDataModule()), Plain())
+    assert transfer_hooks_overridden(SimpleNamespace(datamodule=Moving()), Plain())
+
+
+def test_the_window_loader_keeps_the_last_two_windows_it_handed_out() -> None:
+    trainer = _trainer()
+    loader = WindowLoader(DataLoader(list(range(10)), batch_size=1), 3, DataTracker(lambda: trainer))
+    iterator = iter(loader)
+    first, second = next(iterator), next(iterator)
+    assert loader.handed_out == {0: first, 3: second}  # Lightning trains window 0 while it holds window 3
+    third = next(iterator)
+    assert loader.handed_out == {3: second, 6: third}
+    again = iter(loader)  # the next epoch: none of the last one's windows is "next"
+    trainer.global_step, trainer.current_epoch = 10, 1
+    assert next(again)[0].tolist() == [0] and list(loader.handed_out) == [10]

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_naspipe.lookahead import plan_step
 from lightning_naspipe.partition import balanced_split
 from lightning_naspipe.sampling import uniform_architecture
 from lightning_naspipe.schedule import (
@@ -99,7 +100,7 @@ def _ticks(ms: float) -> int:
 def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedule: str = "csp",
              subnets: int | None = None, seed: int = 0, balance: Sequence[int] | None = None,
              architectures: Sequence[Mapping[str, int]] | None = None, batch_size: int | None = None,
-             order: str = "engine") -> Prediction:
+             order: str = "engine", lookahead: bool = True) -> Prediction:
     """Predict a run of ``subnets`` subnets (default: 64, rounded up to whole windows).
 
     Args:
@@ -116,6 +117,10 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
         order: ``"engine"``: each stage runs the engine's action order (the scheduler run with unit
             costs), timed with these costs; ``"greedy"``: the scheduler run with these costs (what
             a cost-aware order would achieve).
+        lookahead: as ``NASPipeStrategy(lookahead=...)``: with ``"engine"`` order, ``"csp"`` and several
+            stages, each window is planned with the next one's forwards in its drain (:mod:`..lookahead`)
+            and the stages run their steps back to back, each pausing for the per-window overheads at
+            its own window end; else windows run one after another, each drained at its end.
     """
     labels = spec.labels()
     if schedule not in SCHEDULES:
@@ -137,14 +142,15 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
                          f"{len(spec.blocks)} in all")
     bounds = [sum(balance[:s]) for s in range(stages + 1)]
     ranges = [range(bounds[s], bounds[s + 1]) for s in range(stages)]
-    pred = _run(spec, ranges, architectures, window, chunks, schedule, order, 1.0, batch_size)
+    run = _rolled if lookahead and stages > 1 and schedule == "csp" and order == "engine" else _run
+    pred = run(spec, ranges, architectures, window, chunks, schedule, order, 1.0, batch_size)
     scale = 1.0
     for _ in range(4 if stages > 1 and spec.parallel_slowdown > 1 else 0):
         # Contention: compute is parallel_slowdown x slower while every stage computes, less while some idle.
         span = pred.makespan_ms - pred.stalls_ms[0]["overhead"]
         busy = sum(pred.busy_ms) / (stages * span) if span else 0.0
         scale = (scale + 1 + (spec.parallel_slowdown - 1) * busy) / 2
-        pred = _run(spec, ranges, architectures, window, chunks, schedule, order, scale, batch_size)
+        pred = run(spec, ranges, architectures, window, chunks, schedule, order, scale, batch_size)
     return pred
 
 
@@ -186,6 +192,45 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
                       tuple(inflight_max), tuple(a / total if total else 0.0 for a in inflight_area), batch_size)
 
 
+def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], window: int,
+            chunks: int, schedule: str, order: str, scale: float, batch_size: int | None) -> Prediction:
+    """The engine with lookahead: every window planned as :func:`..lookahead.plan_step` plans it, the
+    stages' steps run back to back, and each stage pauses at its own window ends for the overheads."""
+    stages, n = len(ranges), len(architectures)
+    picks = [[(b, arch[block.label] if block.label is not None else 0) for b, block in enumerate(spec.blocks)]
+             for arch in architectures]
+    costs = [[_stage_costs(spec, [picks[i][b] for b in r], chunks, s, stages, scale) for s, r in enumerate(ranges)]
+             for i in range(n)]
+    res = [[frozenset(p for p in (picks[i][b] for b in r) if spec.blocks[p[0]].candidates[p[1]].stateful)
+            for r in ranges] for i in range(n)]
+    buffers = [[any(spec.blocks[b].candidates[k].buffers for b, k in (picks[i][b] for b in r)) for r in ranges]
+               for i in range(n)]
+    orders: list[list[Action]] = [[] for _ in range(stages)]
+    pauses: list[dict[int, int]] = [{} for _ in range(stages)]
+    done: frozenset[tuple[int, Action]] = frozenset()
+    for first in range(0, n, window):
+        size, joint = min(window, n - first), res[first:first + 2 * window]
+        step = plan_step(joint, size, chunks, done, lambda i, s, first=first: not buffers[first + i][s])
+        pause = round((spec.step_overhead_ms + spec.sync_ms + size * spec.subnet_overhead_ms) * TICKS_PER_MS)
+        for s, actions in enumerate(step.schedule.stages):
+            pauses[s][len(orders[s])] = pause
+            orders[s] += [Action(a.kind, first + a.subnet, a.chunk) for a in actions]
+        done = step.carried
+    latency = round(spec.message_ms * TICKS_PER_MS)
+    sched = _timed(orders, costs, latency, pauses)
+    busy, stalls, inflight_max, inflight_mean = [], [], [], []
+    for s in range(stages):
+        b, idle, peak, area = _analyse(sched, s, res, chunks, latency, True, pauses[s])
+        busy.append(b)
+        stalls.append(idle)
+        inflight_max.append(peak)
+        inflight_mean.append(area / sched.makespan if sched.makespan else 0.0)
+    ms = 1.0 / TICKS_PER_MS
+    return Prediction(stages, window, chunks, schedule, n, tuple(len(r) for r in ranges), sched.makespan * ms,
+                      tuple(b * ms for b in busy), tuple({c: v * ms for c, v in st.items()} for st in stalls),
+                      tuple(inflight_max), tuple(inflight_mean), batch_size)
+
+
 def plan(spec: SpaceSpec, stages_list: Iterable[int] = (1, 2, 4, 8, 16, 32, 64), window: int = 16, chunks: int = 1,
          schedule: str = "csp", **kwargs: Any) -> list[Prediction]:
     """:func:`simulate` for each stage count that fits the space (at most one stage per block)."""
@@ -203,12 +248,14 @@ def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int
             UPDATE: _ticks(scale * spec.update_ms * sum(o.stateful for o in ops) + over)}
 
 
-def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]], latency: int) -> Schedule:
+def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]], latency: int,
+           pauses: Sequence[Mapping[int, int]] = ()) -> Schedule:
     """Run fixed per-stage orders with these costs, as the stage processes do.
 
     An F on ``s > 0`` (a B on ``s < S-1``) first receives its activation (gradient): the transport
     moves a message once the receiver asks for it and the sender has sent it (a rendezvous), so the
-    receiver waits ``latency`` from then on, however early the message was sent.
+    receiver waits ``latency`` from then on, however early the message was sent. ``pauses[s][p]``:
+    ticks stage ``s`` spends before its action at position ``p`` (a window's overheads).
     """
     last = len(orders) - 1
     start: dict[tuple[int, Action], int] = {}
@@ -219,7 +266,7 @@ def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]]
             while pc[s] < len(o):
                 a = o[pc[s]]
                 peer = s - 1 if a.kind == FORWARD else s + 1 if a.kind == BACKWARD else -1
-                at = free[s]
+                at = free[s] + (pauses[s].get(pc[s], 0) if pauses else 0)
                 if 0 <= peer <= last:
                     if (peer, a) not in finish:
                         break
@@ -230,7 +277,7 @@ def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]]
 
 
 def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], chunks: int, latency: int,
-             rendezvous: bool) -> tuple[int, dict[str, int], int, int]:
+             rendezvous: bool, pauses: Mapping[int, int] | None = None) -> tuple[int, dict[str, int], int, int]:
     """Busy ticks, idle ticks per cause, peak in-flight and in-flight tick-area of stage ``s``.
 
     In an idle gap, each action whose same-stage dependencies are done is ready (but later in the
@@ -286,7 +333,10 @@ def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], c
             level[which] += step
             t = tick
 
-    for a in order:
+    for p, a in enumerate(order):
+        pause = min(pauses.get(p, 0), start[(s, a)] - clock) if pauses else 0
+        idle["overhead"] += pause  # a window's overheads, before this stage's first action of the window
+        clock += pause
         if start[(s, a)] > clock:
             gap(clock, start[(s, a)], a)
         busy += finish[(s, a)] - start[(s, a)]

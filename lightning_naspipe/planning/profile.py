@@ -71,7 +71,8 @@ def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats:
     ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
     times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())))
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
-                        [CandidateSpec(*times.cost_ms(i, k), _has_state(op)) for k, op in enumerate(ops[i])])
+                        [CandidateSpec(*times.cost_ms(i, k), _has_state(op), any(True for _ in op.buffers()))
+                         for k, op in enumerate(ops[i])])
               for i, block in enumerate(net.blocks)]
     return blocks, candidate_ms(times.update) if times.update else 0.0
 

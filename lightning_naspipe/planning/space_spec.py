@@ -33,11 +33,13 @@ def block_cost_ms(candidates_ms: Sequence[float]) -> float:
 
 @dataclass
 class CandidateSpec:
-    """One candidate op: ``forward_ms``/``backward_ms`` per subnet batch; ``stateful``: parameters or buffers."""
+    """One candidate op: ``forward_ms``/``backward_ms`` per subnet batch; ``stateful``: parameters or buffers;
+    ``buffers``: buffers, which a training forward may change (its forward then never runs ahead)."""
 
     forward_ms: float
     backward_ms: float
     stateful: bool = True
+    buffers: bool = False
 
 
 @dataclass
