@@ -203,14 +203,17 @@ def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mappin
              for i in range(n)]
     res = [[frozenset(p for p in (picks[i][b] for b in r) if spec.blocks[p[0]].candidates[p[1]].stateful)
             for r in ranges] for i in range(n)]
-    buffers = [[any(spec.blocks[b].candidates[k].buffers for b, k in (picks[i][b] for b in r)) for r in ranges]
+    buffers = [[any(spec.blocks[b].candidates[k].buffers for b, k in (picks[i][j] for j in r)) for r in ranges]
                for i in range(n)]
     orders: list[list[Action]] = [[] for _ in range(stages)]
     pauses: list[dict[int, int]] = [{} for _ in range(stages)]
     done: frozenset[tuple[int, Action]] = frozenset()
     for first in range(0, n, window):
         size, joint = min(window, n - first), res[first:first + 2 * window]
-        step = plan_step(joint, size, chunks, done, lambda i, s, first=first: not buffers[first + i][s])
+        def may_run_early(i: int, s: int, first: int = first) -> bool:
+            return not buffers[first + i][s]
+
+        step = plan_step(joint, size, chunks, done, may_run_early)
         pause = round((spec.step_overhead_ms + spec.sync_ms + size * spec.subnet_overhead_ms) * TICKS_PER_MS)
         for s, actions in enumerate(step.schedule.stages):
             pauses[s][len(orders[s])] = pause
