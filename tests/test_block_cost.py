@@ -37,7 +37,7 @@ def test_the_split_and_the_profile_reduce_the_same_timings_alike(monkeypatch: py
     monkeypatch.setattr(block_timing, "time_paths", lambda ops, *a, **k: fixed)
     monkeypatch.setattr(profile, "time_paths", lambda ops, *a, **k: fixed)
     split = block_timing.timed_block_weights(_net(), torch.randn(2, 4), per_block=3)
-    spec = profile_supernet(_net(), torch.randn(2, 4), action_overhead_ms=0.0)
+    spec = profile_supernet(_net(), torch.randn(2, 4), engine_seconds=0, action_overhead_ms=0.0)
     assert [b.cost_ms for b in spec.blocks] == pytest.approx([1000 * w for w in split], rel=1e-12)
     expected = block_cost_ms([candidate_ms(f) + candidate_ms(b) for f, b in zip(forward[1], backward[1])])
     # Each candidate: its median forward plus its median backward; the block: their mean.
@@ -68,5 +68,5 @@ def test_a_cell_costs_the_mean_over_its_nested_choices() -> None:
     times = time_paths([[net.blocks[0]], [net.blocks[1]]], torch.randn(3, 2), repeats=3, clock=lambda: _CLOCK[0])
     assert sorted(set(times.variants[1][0])) == [(0,), (1,), (2,)]
     assert times.cost_ms(1, 0)[0] == pytest.approx((1 + 3 + 8) / 3)
-    spec = profile_supernet(net, torch.randn(3, 2), clock=lambda: _CLOCK[0], action_overhead_ms=0.0)
+    spec = profile_supernet(net, torch.randn(3, 2), clock=lambda: _CLOCK[0], engine_seconds=0, action_overhead_ms=0.0)
     assert spec.blocks[1].candidates[0].forward_ms == pytest.approx(4.0)
