@@ -198,15 +198,12 @@ class Engine:
             The window: its architectures and, on the last stage, each subnet's loss.
         """
         supernet = module.supernet
-        window = self._window(module, batches, first_index)
-        done: frozenset[tuple[int, Action]] = frozenset()
-        if self._ahead is not None:
-            ahead, done = self._ahead
-            if ahead.first_index == first_index and len(ahead.architectures) == len(batches):
-                window, self._ahead = ahead, None  # the batches the forwards run ahead used
-            else:
-                self.drop_lookahead()
-                done = frozenset()
+        ahead, done = self._ahead or (None, frozenset[tuple[int, Action]]())
+        if ahead is not None and ahead.first_index == first_index and len(ahead.architectures) == len(batches):
+            window, self._ahead = ahead, None  # with the batches the forwards run ahead used
+        else:
+            self.drop_lookahead()
+            window, done = self._window(module, batches, first_index), frozenset()
         looks_ahead = (self.lookahead and len(self.stage_blocks) > 1 and self.schedule == "csp"
                        and self.offloader is None and self.memory_budget is None)
         following = self._window(module, upcoming, first_index + len(batches)) if upcoming and looks_ahead else None
