@@ -103,7 +103,8 @@ def random_space(seed: int) -> lnp.Supernet:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     tied = nn.Linear(W, W)
-    blocks: list[nn.Module] = [Stem()]
+    # Half the spaces choose among stems, so the next window's forwards can run early (lookahead).
+    blocks: list[nn.Module] = [Stem() if rng.random() < 0.5 else lnp.ChoiceBlock([Stem(), Stem(), Stem()])]
     for i in range(rng.randint(2, 5)):
         kind = rng.choice(["choice", "residual", "extras", "nested"])
         label = rng.choice([None, "shared"])
