@@ -246,6 +246,8 @@ class NASPipeStrategy(StagePlacement):
             agreement.install(self._trainer())
             assert self.engine is not None, "built at setup"
             self.engine.signals = agreement  # the flags travel with each window's losses
+            if transfer_hooks_overridden(self._trainer(), self.lightning_module):
+                self.engine.lookahead = False  # Lightning runs them on each batch it hands over
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -266,8 +268,7 @@ class NASPipeStrategy(StagePlacement):
         trainer = self._trainer()
         upcoming = self._loader.handed_out.get(first_index) if self._loader is not None else None
         if (upcoming is None or self.engine is None or not self.engine.lookahead or self.world_size == 1
-                or (self.rebalance_every and (self._windows + 1) % self.rebalance_every == 0)  # blocks move first
-                or transfer_hooks_overridden(trainer, self.lightning_module)):
+                or (self.rebalance_every and (self._windows + 1) % self.rebalance_every == 0)):  # blocks move first
             return None
         if trainer.max_steps >= 0:
             upcoming = upcoming[: max(0, trainer.max_steps - first_index)]

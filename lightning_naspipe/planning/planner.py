@@ -166,12 +166,7 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
     latency = round(spec.message_ms * TICKS_PER_MS)
     for first in range(0, len(architectures), window):
         archs = architectures[first:first + window]
-        picks = [[(b, arch[block.label] if block.label is not None else 0) for b, block in enumerate(spec.blocks)]
-                 for arch in archs]
-        costs = [[_stage_costs(spec, [picks[i][b] for b in r], chunks, s, stages, scale) for s, r in enumerate(ranges)]
-                 for i in range(len(archs))]
-        res = [[frozenset(p for p in (picks[i][b] for b in r) if spec.blocks[p[0]].candidates[p[1]].stateful)
-                for r in ranges] for i in range(len(archs))]
+        costs, res, _ = _subnets(spec, ranges, archs, chunks, scale)
         seen = scheduling_resources(schedule, res)
         if order == "greedy":
             sched = build_schedule(seen, chunks, lambda s, a: costs[a.subnet][s][a.kind], latency=latency)
@@ -192,19 +187,26 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
                       tuple(inflight_max), tuple(a / total if total else 0.0 for a in inflight_area), batch_size)
 
 
+def _subnets(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], chunks: int,
+             scale: float) -> tuple[list[list[dict[str, int]]], list[list[frozenset[Resource]]], list[list[bool]]]:
+    """Per subnet and stage: its action costs, its resources (stateful picks) and whether a pick holds buffers."""
+    picks = [[(b, arch[block.label] if block.label is not None else 0) for b, block in enumerate(spec.blocks)]
+             for arch in architectures]
+    chosen = [[[picks[i][b] for b in r] for r in ranges] for i in range(len(architectures))]
+    costs = [[_stage_costs(spec, stage, chunks, s, len(ranges), scale) for s, stage in enumerate(per)]
+             for per in chosen]
+    res = [[frozenset(p for p in stage if spec.blocks[p[0]].candidates[p[1]].stateful) for stage in per]
+           for per in chosen]
+    buffers = [[any(spec.blocks[b].candidates[k].buffers for b, k in stage) for stage in per] for per in chosen]
+    return costs, res, buffers
+
+
 def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], window: int,
             chunks: int, schedule: str, order: str, scale: float, batch_size: int | None) -> Prediction:
     """The engine with lookahead: every window planned as :func:`..lookahead.plan_step` plans it, the
     stages' steps run back to back, and each stage pauses at its own window ends for the overheads."""
     stages, n = len(ranges), len(architectures)
-    picks = [[(b, arch[block.label] if block.label is not None else 0) for b, block in enumerate(spec.blocks)]
-             for arch in architectures]
-    costs = [[_stage_costs(spec, [picks[i][b] for b in r], chunks, s, stages, scale) for s, r in enumerate(ranges)]
-             for i in range(n)]
-    res = [[frozenset(p for p in (picks[i][b] for b in r) if spec.blocks[p[0]].candidates[p[1]].stateful)
-            for r in ranges] for i in range(n)]
-    buffers = [[any(spec.blocks[b].candidates[k].buffers for b, k in (picks[i][j] for j in r)) for r in ranges]
-               for i in range(n)]
+    costs, res, buffers = _subnets(spec, ranges, architectures, chunks, scale)
     orders: list[list[Action]] = [[] for _ in range(stages)]
     pauses: list[dict[int, int]] = [{} for _ in range(stages)]
     done: frozenset[tuple[int, Action]] = frozenset()
