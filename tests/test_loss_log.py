@@ -40,3 +40,26 @@ def test_comparison_sees_a_shifted_step(tmp_path: Path) -> None:
     plain = run_logged(tmp_path, "plain", None, 1)
     shifted = [(str(int(step) + 1), epoch, key, value) for step, epoch, key, value in plain]
     assert shifted != plain and len(set(shifted)) == len(set(plain))
+
+
+def test_self_log_runs_once_per_epoch_and_the_metrics_match_the_plain_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from pytorch_lightning import LightningModule
+
+    calls: list[tuple[int, int]] = []
+    original = LightningModule.log
+
+    def counted(self: LightningModule, name: str, *args: object, **kwargs: object) -> None:
+        if name == "train_loss":
+            calls.append((self.trainer.current_epoch, self.trainer.global_step))
+        original(self, name, *args, **kwargs)  # type: ignore[arg-type]
+
+    _, plain = train(None, max_epochs=2, loader=toy_loader(), val_loader=toy_loader(samples=40, shuffle=False))
+    monkeypatch.setattr(LightningModule, "log", counted)
+    _, piped = train(lnp.NASPipeStrategy(window=4), max_epochs=2, loader=toy_loader(),
+                     val_loader=toy_loader(samples=40, shuffle=False))
+    assert calls == [(0, 4), (1, 16)]  # 3 windows of 4 subnets per epoch: after the first of each epoch only
+    for metrics in ("callback_metrics", "progress_bar_metrics", "logged_metrics"):
+        ours, theirs = getattr(piped, metrics), getattr(plain, metrics)
+        assert ours.keys() == theirs.keys() and all(
+            torch.equal(torch.as_tensor(ours[k]), torch.as_tensor(theirs[k])) for k in ours), metrics
