@@ -7,6 +7,7 @@ results to ``profile_supernet(..., **overheads)``; ``planner_accuracy.py`` does.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import statistics
@@ -17,9 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.boundary import tensors_in
+from lightning_naspipe.boundary import map_tensors, tensors_in
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.planning.profile import _default_optimizer, _NullModule
+from lightning_naspipe.sampling import uniform_architecture
 from lightning_naspipe.supernet import Supernet
 
 __all__ = ["lightning_overheads", "pipeline_overheads"]
@@ -89,10 +91,12 @@ def lightning_overheads(batch_size: int = 1, features: int = 1, steps: int = 512
 def pipeline_overheads(supernet: Supernet, sample_input: Any, rounds: int = 30) -> dict[str, float]:
     """Costs of two stage processes on this machine, over gloo and the real transport (~15 s).
 
-    Two processes (``torch.multiprocessing.spawn``; call it under ``if __name__ == "__main__":``)
-    train the supernet's candidate-0 path one at a time, then both at once while each sends and
-    receives a message per path (``parallel_slowdown``: the compute's slowdown from sharing the
-    cores, with each other and with the transport's threads); receive the activation a stage
+    Two processes (``torch.multiprocessing.spawn``; call it under ``if __name__ == "__main__":``),
+    each on its half of the blocks, train sampled paths one at a time, forward then backward as the
+    profile times them, then both at once in a stage's order (a subnet's forward before the previous
+    one's backward) while each sends and receives a message per path (``parallel_slowdown``: the
+    compute's slowdown in a pipeline stage: caches that the next subnet's forward cooled, cores shared
+    with each other and with the transport); receive the activation a stage
     boundary carries while its sender computes (``message_ms``: the wait beyond a message's own
     time, ``message_cpu_ms``); and share a window's losses and preemption flags at its end
     (``sync_ms``).
@@ -133,15 +137,28 @@ def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, o
         message = x
         for i in range(len(net) // 2):
             message = net.run_block(i, message, first)
+    blocks = range(len(net) // 2) if rank == 0 else range(len(net) // 2, len(net))
+    paths = iter(uniform_architecture(net.labels, rank, i) for i in itertools.count())
+
+    def forward() -> Tensor:
+        y = x if rank == 0 else map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), message)
+        arch = next(paths)
+        for i in blocks:
+            y = net.run_block(i, y, arch)
+        return sum((t.float().sum() for t in tensors_in(y) if t.requires_grad), torch.zeros((), requires_grad=True))
 
     def train(times: int, exchange: bool = False) -> list[float]:
-        took = []
+        took, pending = [], forward() if exchange else None
         for _ in range(times):
             if exchange:  # as a stage does: a message out and one in per subnet
                 link.send_value(1 - rank, message)
             start = time.perf_counter()
-            y = net(x, first)
-            sum(t.float().sum() for t in tensors_in(y)).backward()  # type: ignore[union-attr]
+            if pending is None:
+                forward().backward()
+            else:
+                ahead = forward()
+                pending.backward()
+                pending = ahead
             took.append(time.perf_counter() - start)
             if exchange:
                 link.recv_value(1 - rank)
