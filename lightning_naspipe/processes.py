@@ -39,6 +39,10 @@ else:
     _StrategyBase = object
 
 
+#: Longer waits are for a neighbour's whole stage of work (a CSP conflict), where one wake-up weighs little.
+_RECEIVE_SPIN_S = 0.005
+
+
 class StageProcesses(_StrategyBase):
     """The process half of a parallel strategy with one process per stage; every process sees the whole data.
 
@@ -64,6 +68,14 @@ class StageProcesses(_StrategyBase):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None, "the Trainer sets parallel_devices"
         return self.parallel_devices[self.local_rank]
+
+    @property
+    def receive_spin_s(self) -> float:
+        """How long a receive polls before it sleeps: spinning saves each message a wake-up, which
+        matters most where every message is on the critical path (a trainable stem and head), but only
+        on cores this process has to itself (pinned, see :mod:`.affinity`) does it take no time from
+        another stage."""
+        return _RECEIVE_SPIN_S if self._affinity_before is not None else 0.0
 
     @property
     def is_distributed(self) -> bool:

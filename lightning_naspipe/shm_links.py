@@ -87,12 +87,16 @@ class SharedMemoryLinks:
 
     Build with :meth:`connect` (collective over all stage processes). Arguments as for
     :class:`~.torch_links.TorchLinks`; ``folder`` names the run's files (:func:`_path`) and ``fds``
-    holds the FIFO ends, ``fds[("notes" | "acks", src, dst)]``.
+    holds the FIFO ends, ``fds[("notes" | "acks", src, dst)]``. A receive polls the link without
+    sleeping for up to ``spin_s`` seconds first: a process asleep in ``poll`` wakes some tens of
+    microseconds after the note lands (on a VM, its idle vCPU too), on every message. Only worth it,
+    and only fair, on cores this process has to itself.
     """
 
     def __init__(self, stage: int, folder: str, fds: dict[tuple[str, int, int], int], timeout: timedelta,
-                 waited: WaitHandler, lost: LostHandler) -> None:
+                 waited: WaitHandler, lost: LostHandler, spin_s: float = 0.0) -> None:
         self.stage = stage
+        self.spin_s = spin_s
         self.folder = folder
         self.timeout = timeout
         self._fds = fds
@@ -115,7 +119,7 @@ class SharedMemoryLinks:
 
     @classmethod
     def connect(cls, stage: int, ranks: Sequence[int], timeout: timedelta, waited: WaitHandler,
-                lost: LostHandler) -> SharedMemoryLinks:
+                lost: LostHandler, spin_s: float = 0.0) -> SharedMemoryLinks:
         """Open this stage's links (collective: every stage process calls it)."""
         folder = tempfile.mkdtemp(prefix="naspipe-", dir=SHARED_MEMORY) if stage == 0 else None
         folder = broadcast_object(folder, ranks[0], torch.device("cpu"))
@@ -140,7 +144,7 @@ class SharedMemoryLinks:
         dist.barrier()
         if stage == 0:
             os.rmdir(folder)  # empty now; the rings are named after it, outside it
-        return cls(stage, folder, fds, timeout, waited, lost)
+        return cls(stage, folder, fds, timeout, waited, lost, spin_s)
 
     def send(self, stage: int, value: Any) -> None:
         """Write ``value`` into the ring to ``stage`` and note it; never waits for the receiver."""
@@ -244,10 +248,13 @@ class SharedMemoryLinks:
         fd = self._fds[("notes", stage, self.stage)]
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout.total_seconds()
+        spin_until = start + self.spin_s
         while True:
             try:
                 note = os.read(fd, _NOTE.size)
             except BlockingIOError:
+                if time.perf_counter() < spin_until:
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._lost(stage, TimeoutError(f"no message for {self.timeout}")) from None

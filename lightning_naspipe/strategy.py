@@ -220,7 +220,7 @@ class NASPipeStrategy(StagePlacement):
         transport = None
         if self.world_size > 1:
             transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout,
-                                     links=self.transport)
+                                     links=self.transport, spin_s=self.receive_spin_s)
             transport.telemetry = telemetry
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload)

@@ -56,10 +56,12 @@ class P2PTransport:
         timeout: how long a receive may wait before the peer is declared lost.
         links: how messages travel (:data:`TRANSPORTS`): ``"auto"`` uses shared memory when every stage
             process runs on this host and the backend is not NCCL, else ``torch.distributed``.
+        spin_s: with shared-memory links, how long a receive polls before it sleeps (see
+            :class:`.SharedMemoryLinks`); 0 unless this process has cores of its own.
     """
 
     def __init__(self, stage: int, ranks: Sequence[int], device: torch.device, timeout: timedelta,
-                 links: Literal["auto", "shared_memory", "torch"] = "auto") -> None:
+                 links: Literal["auto", "shared_memory", "torch"] = "auto", spin_s: float = 0.0) -> None:
         self.stage = stage
         self.ranks = list(ranks)
         self.device = device
@@ -91,7 +93,7 @@ class P2PTransport:
                 "/dev/shm) and a backend other than NCCL, which moves device tensors itself; use transport='auto'.")
         self.links: TorchLinks | SharedMemoryLinks
         if links != "torch" and shareable:
-            self.links = SharedMemoryLinks.connect(stage, self.ranks, timeout, self._waited, self._lost)
+            self.links = SharedMemoryLinks.connect(stage, self.ranks, timeout, self._waited, self._lost, spin_s)
         else:
             self.links = TorchLinks(self.ranks, self._wire, timeout, self._waited, self._lost)
 

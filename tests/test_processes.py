@@ -55,3 +55,10 @@ def test_rank_0_reports_a_lost_stage_after_its_children_exit(error: BaseExceptio
         assert (time.monotonic() - start >= 0.9) == waits
     finally:
         reap([child], grace_s=0.0)
+
+
+def test_receives_spin_only_on_cores_the_process_has_to_itself() -> None:
+    processes = StageProcesses.__new__(StageProcesses)
+    assert processes.receive_spin_s == 0.0  # not pinned: another stage may need the core
+    processes._affinity_before = {0, 1}  # pinned to its own share of the cores
+    assert processes.receive_spin_s > 0.0

@@ -181,3 +181,40 @@ def test_a_receiver_learns_at_once_that_its_sender_died() -> None:
     assert "Pipeline stage 0 (rank 0) failed or exited" in results["error"]
     assert results["waited_s"] < 60  # the closed FIFO ends the wait, not the 300 s timeout
 
+
+
+class _CountedPoll:
+    """Stands in for a link's ``select.poll`` object: counts the sleeps."""
+
+    def __init__(self, poll: Any) -> None:
+        self.poll_object, self.sleeps = poll, 0
+
+    def poll(self, timeout_ms: float) -> Any:
+        self.sleeps += 1
+        return self.poll_object.poll(timeout_ms)
+
+
+def _spinning_worker(rank: int, init_method: str, results: dict, spin_s: float) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60), links="shared_memory",
+                             spin_s=spin_s)
+    links = transport.links
+    assert isinstance(links, SharedMemoryLinks)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(0.3)  # the receiver is waiting by now
+        transport.send_value(1, torch.arange(4.0))
+    else:
+        counted = links._polls[0] = _CountedPoll(links._polls[0])
+        results["value"] = transport.recv_value(0)
+        results["sleeps"] = counted.sleeps
+    dist.barrier()
+    transport.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("spin_s", "slept"), [(30.0, False), (0.01, True), (0.0, True)])
+def test_a_receive_polls_without_sleeping_for_spin_s_then_sleeps(spin_s: float, slept: bool) -> None:
+    results = spawn_gloo_pair(functools.partial(_spinning_worker, spin_s=spin_s))
+    assert torch.equal(results["value"], torch.arange(4.0))
+    assert (results["sleeps"] > 0) == slept
