@@ -49,6 +49,8 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
             "(see pyproject.toml)."
         )
     key = _registered_key(module, trainer)
+    if key is not None:
+        trainer._logger_connector._current_fx = module._current_fx_name  # as self.log leaves it
     every = trainer.log_every_n_steps
     logged = [(k, loss) for k, loss in enumerate(losses) if loss is not None]
     for position, (k, loss) in enumerate(logged):
@@ -70,14 +72,11 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
 def _registered_key(module: Any, trainer: Any) -> str | None:
     """The result key of ``train_loss`` if ``self.log`` would only update it now, else ``None``."""
     fx = module._current_fx_name
-    connector = trainer._logger_connector
-    if fx != "training_step" or connector.should_reset_tensors(fx):  # an epoch's first batch: self.log resets
+    # At an epoch's first batch self.log resets the metric first.
+    if fx != "training_step" or trainer._logger_connector.should_reset_tensors(fx):
         return None
     key = f"{fx}.{TRAIN_LOSS}"
-    if key not in trainer._results:
-        return None
-    connector._current_fx = fx  # as self.log leaves it
-    return key
+    return key if key in trainer._results else None
 
 
 def _result_key(results: Any, name: str) -> str:
