@@ -76,8 +76,9 @@ def instrument() -> None:
         if phase == "start":
             started.append(time.perf_counter())
         else:
-            SECONDS["gc"] += time.perf_counter() - started.pop()
-            CALLS["gc"] += 1
+            key = f"gc gen{info['generation']}"
+            SECONDS[key] += time.perf_counter() - started.pop()
+            CALLS[key] += 1
 
     gc.callbacks.append(garbage_collector)
 
