@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -201,6 +202,14 @@ class WindowLoader:
         self.step_triggers = sorted(set(step_triggers))
         #: The windows of this epoch handed out last (Lightning fetches one ahead), by first subnet index.
         self.handed_out: dict[int, list[Any]] = {}
+        #: Whether :meth:`read_ahead` may read: only from a loader that reads in this process (no workers),
+        #: where a read is this process's own work and never blocks on another's.
+        self.reads_ahead = getattr(dataloader, "num_workers", 0) == 0
+        #: Batches :meth:`read_ahead` has read this fit.
+        self.read_ahead_count = 0
+        self._source: Iterator[Any] | None = None  # this epoch's iterator of the user's loader
+        self._unread: int | float = 0  # batches this epoch's iterator may still be read for
+        self._ahead: deque[Any] = deque()  # batches read ahead, in order, not yet in a window
 
     # No ``__len__`` on purpose: Lightning then ends an epoch when the data runs out rather than
     # after a count of windows, which a resumed run (partial first window, another window size)
@@ -224,22 +233,61 @@ class WindowLoader:
             )
         self.tracker.skipped(skip)
         self.handed_out = {}
-        remaining = length - skip
-        while True:
-            # Never past a sized loader's end (see the module docstring).
-            size = min(self.window, remaining, *(n - self.tracker.next_index() % n for n in self.step_triggers))
-            batches = list(itertools.islice(iterator, int(size)))
-            remaining -= len(batches)
-            exhausted = len(batches) < size or remaining <= 0
-            if exhausted and not batches:
-                self.tracker.yielded(0, True)
-                return
-            first = self.tracker.next_index()
-            self.handed_out = dict([*list(self.handed_out.items())[-1:], (first, batches)])
-            self.tracker.yielded(len(batches), exhausted)
-            yield batches
-            if exhausted:
-                return
+        self._source, self._unread, self._ahead = iterator, length - skip, deque()
+        try:
+            while True:
+                # Never past a sized loader's end (see the module docstring).
+                size = min(self.window, len(self._ahead) + self._unread,
+                           *(n - self.tracker.next_index() % n for n in self.step_triggers))
+                batches = self._take(int(size))
+                exhausted = len(batches) < size or (not self._ahead and self._unread <= 0)
+                if exhausted and not batches:
+                    self.tracker.yielded(0, True)
+                    return
+                first = self.tracker.next_index()
+                self.handed_out = dict([*list(self.handed_out.items())[-1:], (first, batches)])
+                self.tracker.yielded(len(batches), exhausted)
+                yield batches
+                if exhausted:
+                    return
+        finally:  # (also when a new epoch's iterator replaced this one: then leave that one's alone)
+            if self._source is iterator:
+                self._source = None
+
+    def read_ahead(self) -> bool:
+        """Read the next batch of this epoch from the user's dataloader now, for a window to come.
+
+        A stage calls it while it waits for a message (see :mod:`.transport`): every stage reads every
+        batch, and read there, the reading overlaps the wait instead of adding to the stage's time
+        between windows. Batches come out of the same iterator in the same order, so windows are the
+        same. At most one window is read ahead, and never past a sized loader's end.
+
+        Returns:
+            Whether a batch was read (``False``: nothing to read now, or ``reads_ahead`` is off).
+        """
+        if self._source is None or not self.reads_ahead or len(self._ahead) >= self.window or self._unread <= 0:
+            return False
+        if not self._read_one():
+            return False
+        self.read_ahead_count += 1
+        return True
+
+    def _take(self, size: int) -> list[Any]:
+        """The next ``size`` batches: those read ahead first, then from the iterator (fewer at its end)."""
+        batches = [self._ahead.popleft() for _ in range(min(size, len(self._ahead)))]
+        while len(batches) < size and self._read_one():
+            batches.append(self._ahead.pop())
+        return batches
+
+    def _read_one(self) -> bool:
+        assert self._source is not None
+        try:
+            self._ahead.append(next(self._source))
+        except StopIteration:
+            self._unread = 0
+            return False
+        self._unread -= 1
+        return True
 
 
 def order_generators(dataloader: object) -> list[torch.Generator]:

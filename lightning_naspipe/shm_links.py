@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lightning_naspipe import wire as wire_format
 from lightning_naspipe.distributed import broadcast_object
-from lightning_naspipe.torch_links import LostHandler, WaitHandler
+from lightning_naspipe.torch_links import IdleWork, LostHandler, WaitHandler
 
 try:
     import fcntl
@@ -116,6 +116,8 @@ class SharedMemoryLinks:
                 self._polls[src].register(fd, select.POLLIN)
         #: Messages sent.
         self.messages_sent = 0
+        #: Work to do while a receive would wait (:data:`~.torch_links.IdleWork`), set by the transport's owner.
+        self.idle: IdleWork | None = None
 
     @classmethod
     def connect(cls, stage: int, ranks: Sequence[int], timeout: timedelta, waited: WaitHandler,
@@ -249,11 +251,18 @@ class SharedMemoryLinks:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout.total_seconds()
         spin_until = start + self.spin_s
+        worked, idle = 0.0, self.idle
         while True:
             try:
                 note = os.read(fd, _NOTE.size)
             except BlockingIOError:
-                if time.perf_counter() < spin_until:
+                if idle is not None:
+                    began = time.perf_counter()
+                    if idle():
+                        worked += time.perf_counter() - began
+                        continue
+                    idle = None  # nothing more to do in this wait
+                if time.perf_counter() < spin_until + worked:
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -263,7 +272,7 @@ class SharedMemoryLinks:
             if not note:
                 raise self._lost(stage, EOFError("its process closed the link"))
             end = time.perf_counter()
-            self._waited(end - start, end)
+            self._waited(end - start - worked, end)
             return note
 
 

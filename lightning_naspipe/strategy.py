@@ -248,6 +248,8 @@ class NASPipeStrategy(StagePlacement):
             self.engine.signals = agreement  # the flags travel with each window's losses
             if transfer_hooks_overridden(self._trainer(), self.lightning_module):
                 self.engine.lookahead = False  # Lightning runs them on each batch it hands over
+            if isinstance(self.engine.transport, P2PTransport):
+                self.engine.transport.idle = self._read_ahead  # every stage reads every batch: read while waiting
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -277,8 +279,13 @@ class NASPipeStrategy(StagePlacement):
         self._ahead_for = (self._batch_at[0], self._batch_at[1] + 1)
         return list(self.batch_to_device(upcoming))
 
+    def _read_ahead(self) -> bool:
+        return self._loader is not None and self._loader.read_ahead()
+
     @override
     def on_train_end(self) -> None:
+        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+            self.engine.transport.idle = None
         if self.trace_dir is not None:
             self._write_trace()
         self.sync_weights()

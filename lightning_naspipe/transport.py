@@ -32,7 +32,7 @@ from lightning_naspipe.failures import FailureBoard, default_store
 from lightning_naspipe.schedule import Schedule
 from lightning_naspipe.shm_links import SharedMemoryLinks, same_host
 from lightning_naspipe.stage_table import describe
-from lightning_naspipe.torch_links import TorchLinks
+from lightning_naspipe.torch_links import IdleWork, TorchLinks
 
 #: How messages travel: ``"auto"`` (shared memory where possible), ``"shared_memory"`` or ``"torch"``.
 TRANSPORTS = ("auto", "shared_memory", "torch")
@@ -96,6 +96,16 @@ class P2PTransport:
             self.links = SharedMemoryLinks.connect(stage, self.ranks, timeout, self._waited, self._lost, spin_s)
         else:
             self.links = TorchLinks(self.ranks, self._wire, timeout, self._waited, self._lost)
+
+    @property
+    def idle(self) -> IdleWork | None:
+        """Work a receive may do while its message is not there yet (:data:`.torch_links.IdleWork`),
+        e.g. reading the next batches (:meth:`.WindowLoader.read_ahead`)."""
+        return self.links.idle
+
+    @idle.setter
+    def idle(self, work: IdleWork | None) -> None:
+        self.links.idle = work
 
     @property
     def messages_sent(self) -> int:

@@ -201,3 +201,76 @@ def test_the_window_loader_keeps_the_last_two_windows_it_handed_out() -> None:
     again = iter(loader)  # the next epoch: none of the last one's windows is "next"
     trainer.global_step, trainer.current_epoch = 10, 1
     assert next(again)[0].tolist() == [0] and list(loader.handed_out) == [10]
+
+
+class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """An unsized dataset: its epoch ends when it runs out."""
+
+    def __iter__(self) -> Any:
+        return iter(range(23))
+
+
+def _loaders() -> list[tuple[str, Any, list[int]]]:
+    return [("shuffled with a generator", _seeded_loader(batch_size=5), []),
+            ("list", DataLoader(list(range(30)), batch_size=2), [7]),
+            ("unsized stream", DataLoader(_Stream(), batch_size=2), [])]
+
+
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("seed", range(4))
+def test_reading_ahead_at_any_moment_keeps_every_window_and_the_data_order(case: int, seed: int) -> None:
+    """Stages call read_ahead while they wait, at moments no one can predict: the windows, the tracker
+    and the loader's generator must come out as if nothing had been read early."""
+    name, plain_loader, triggers = _loaders()[case]
+    _, ahead_loader, _ = _loaders()[case]
+    rng = __import__("random").Random(seed)
+
+    def epochs(loader: Any, read_ahead: bool) -> tuple[list[Any], WindowLoader]:
+        trainer = _trainer(step=3)
+        windows = WindowLoader(loader, 4, DataTracker(lambda: trainer), step_triggers=triggers)
+        seen = []
+        for epoch in range(2):
+            trainer.current_epoch = epoch
+            for window in windows:
+                trainer.global_step += len(window)
+                seen.append([_flat(b) for b in window])
+                for _ in range(rng.randrange(7) if read_ahead else 0):
+                    windows.read_ahead()
+            assert not windows.read_ahead(), "nothing to read between epochs"
+        return seen, windows
+
+    plain, _ = epochs(plain_loader, False)
+    ahead, windows = epochs(ahead_loader, True)
+    assert ahead == plain, name
+    assert windows.read_ahead_count > 0
+    generator = getattr(plain_loader, "generator", None)
+    if generator is not None:  # read no further than the loader's end (see the test above)
+        assert torch.equal(generator.get_state(), ahead_loader.generator.get_state())
+
+
+def _flat(batch: Any) -> Any:
+    return [_flat(part) for part in batch] if isinstance(batch, (list, tuple)) else batch.tolist()
+
+
+def test_reading_ahead_holds_at_most_one_window_and_never_reads_a_loader_with_workers() -> None:
+    trainer = _trainer()
+    windows = WindowLoader(DataLoader(list(range(20)), batch_size=1), 3, DataTracker(lambda: trainer))
+    assert not windows.read_ahead()  # no epoch running
+    iterator = iter(windows)
+    assert next(iterator)[0].tolist() == [0]
+    assert [windows.read_ahead() for _ in range(5)] == [True, True, True, False, False]
+    assert [b.tolist() for b in next(iterator)] == [[3], [4], [5]]
+    with_workers = WindowLoader(DataLoader(list(range(20)), batch_size=1, num_workers=1), 3,
+                                DataTracker(lambda: trainer))
+    assert not with_workers.reads_ahead
+
+
+def test_an_abandoned_epoch_iterator_leaves_the_next_epochs_reading_alone() -> None:
+    trainer = _trainer()
+    windows = WindowLoader(DataLoader(list(range(20)), batch_size=1), 3, DataTracker(lambda: trainer))
+    abandoned = iter(windows)
+    next(abandoned)  # an epoch stopped early (limit_train_batches, max_steps)
+    current = iter(windows)
+    assert next(current)[0].tolist() == [0]
+    abandoned.close()  # as the garbage collector closes it
+    assert windows.read_ahead()

@@ -218,3 +218,46 @@ def test_a_receive_polls_without_sleeping_for_spin_s_then_sleeps(spin_s: float, 
     results = spawn_gloo_pair(functools.partial(_spinning_worker, spin_s=spin_s))
     assert torch.equal(results["value"], torch.arange(4.0))
     assert (results["sleeps"] > 0) == slept
+
+
+def _idle_worker(rank: int, init_method: str, results: dict, links: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60), links=links)
+    dist.barrier()
+    if rank == 0:
+        transport.send_value(1, torch.arange(3.0))  # there before stage 1 asks
+        time.sleep(0.5)  # stage 1 waits for the next one by now
+        transport.send_value(1, torch.arange(4.0))
+    else:
+        asked: list[int] = []
+        time.sleep(0.2)
+        transport.idle = lambda: bool(asked.append(1))  # nothing to do
+        results["first"] = transport.recv_value(0)
+        results["asked"] = len(asked)
+        calls: list[float] = []
+
+        def work() -> bool:  # five units of 30 ms, then nothing left
+            calls.append(time.perf_counter())
+            if len(calls) > 5:
+                return False
+            time.sleep(0.03)
+            return True
+
+        transport.idle = work
+        start, waited = time.perf_counter(), transport.wait_s
+        results["second"] = transport.recv_value(0)
+        results["elapsed"], results["waited"] = time.perf_counter() - start, transport.wait_s - waited
+        results["calls"] = len(calls)
+    dist.barrier()
+    transport.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("links", ["shared_memory", "torch"])
+def test_a_waiting_receive_does_the_idle_work_and_does_not_count_it_as_waiting(links: str) -> None:
+    results = spawn_gloo_pair(functools.partial(_idle_worker, links=links))
+    assert torch.equal(results["first"], torch.arange(3.0)) and torch.equal(results["second"], torch.arange(4.0))
+    if links == "shared_memory":
+        assert results["asked"] == 0  # the message was there: taken without asking for work
+    assert results["calls"] == 6  # five units, then "nothing left", then the wait
+    assert results["elapsed"] > 0.2 and results["waited"] == pytest.approx(results["elapsed"] - 0.15, abs=0.04)
