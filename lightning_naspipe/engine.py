@@ -34,6 +34,7 @@ from lightning_naspipe.schedule import (
 )
 from lightning_naspipe.supernet import Resource, Supernet
 from lightning_naspipe.telemetry import StageTelemetry
+from lightning_naspipe.weight_grads import DeferralChooser, serialised
 
 @dataclass
 class WindowPlan:
@@ -137,6 +138,9 @@ class Engine:
         lookahead: run the next window's forwards in this window's drain when :meth:`train_window`
             is given the next window's batches (see :mod:`.lookahead`); ``"csp"`` with several stages,
             no offloader and no memory budget only. Results never depend on it.
+        defer_weight_grads: compute a backward's weight gradients after sending its input gradients
+            (see :mod:`.weight_grads`): ``None`` measures whether it pays (:class:`DeferralChooser`),
+            ``True``/``False`` forces it. Results never depend on it.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class Engine:
         memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None,
         telemetry: StageTelemetry | None = None,
         lookahead: bool = False,
+        defer_weight_grads: bool | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -171,6 +176,9 @@ class Engine:
         # The next window with the forwards this stage already ran for it, and what they keep for backward.
         self._ahead: tuple[Window, frozenset[tuple[int, Action]]] | None = None
         self._stash: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
+        self.deferral = DeferralChooser(forced=defer_weight_grads)
+        #: Windows this stage ran with its weight gradients deferred (see :mod:`.weight_grads`).
+        self.windows_deferred = 0
 
     @property
     def blocks(self) -> range:
@@ -184,6 +192,7 @@ class Engine:
             found.update({f"offload/{k}": v for k, v in self.offloader.stats.as_metrics().items()})
         if self.telemetry is not None:
             found.update({f"telemetry/{k}": v for k, v in self.telemetry.metrics().items()})
+            found["telemetry/windows_deferred"] = float(self.windows_deferred)
         return found
 
     def train_window(self, module: EngineModule, batches: Sequence[Any], first_index: int,
@@ -229,7 +238,10 @@ class Engine:
         """Run this stage's row of ``plan``: forwards, backwards and per-subnet updates."""
         window, resources = plan.window, [r[self.stage] for r in plan.resources]
         actions = plan.actions(self.stage)
-        executor = self._executor(module, self.telemetry)
+        eligible = self.chunks == 1 and serialised(plan.resources, plan.size, self.stage)
+        defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
+        executor = self._executor(module, self.telemetry, defer)
+        self.windows_deferred += defer
         residency = None
         if self.offloader is not None:
             order = [a.subnet for a in actions if a.kind == FORWARD and a.chunk == 0]
@@ -247,6 +259,8 @@ class Engine:
         start, waited = time.perf_counter(), getattr(self.transport, "wait_s", 0.0)
         executor.run(actions, window, update, residency.before_forward if residency else None)
         self.busy_s += time.perf_counter() - start - (getattr(self.transport, "wait_s", 0.0) - waited)
+        if eligible:
+            self.deferral.record(defer, executor.seconds_to_send)
         if residency is not None:
             residency.finish()
         own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size])
@@ -284,9 +298,10 @@ class Engine:
             output = self.transport.share(output)
         return output
 
-    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None) -> StageExecutor:
+    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None,
+                  defer_weight_grads: bool = False) -> StageExecutor:
         return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
-                             self.transport, telemetry, self._stash)
+                             self.transport, telemetry, self._stash, defer_weight_grads)
 
     def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
         """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then

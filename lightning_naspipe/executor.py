@@ -22,6 +22,7 @@ from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.supernet import Architecture, Supernet
 from lightning_naspipe.telemetry import StageTelemetry
+from lightning_naspipe.weight_grads import DeferredWeights
 
 
 # Randomness key of evaluation forwards: apart from every training subnet's (indices are >= 0).
@@ -101,6 +102,8 @@ class StageExecutor:
         telemetry: records the actions' timeline, if given.
         stash: where forwards keep what their backward needs, by global ``(subnet, chunk)``; pass the
             same one to the next window's executor when forwards run ahead (see :mod:`.lookahead`).
+        defer_weight_grads: send a backward's input gradients before computing its weight gradients
+            (see :mod:`.weight_grads`); ignored on the first stage, which sends none.
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class StageExecutor:
         transport: Transport | None = None,
         telemetry: StageTelemetry | None = None,
         stash: dict[tuple[int, int], list[tuple[Any, Any]]] | None = None,
+        defer_weight_grads: bool = False,
     ) -> None:
         if num_stages > 1 and transport is None:
             raise ValueError("a multi-stage executor needs a transport")
@@ -127,6 +131,9 @@ class StageExecutor:
         # (global subnet, chunk) -> per block (input, output); the last block's output is replaced by
         # the weighted loss on the last stage. Kept for backward.
         self._stash = {} if stash is None else stash
+        self.defer_weight_grads = defer_weight_grads and not self.is_first
+        #: Per backward, seconds from having its output gradients to sending its input gradients.
+        self.seconds_to_send: list[float] = []
 
     def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None],
             first_forward: Callable[[int], None] | None = None) -> None:
@@ -212,22 +219,43 @@ class StageExecutor:
 
     def _backward(self, window: Window, k: int, c: int) -> None:
         """Backward block by block, last to first: each block's outputs get the gradients its
-        successor's input leaves collected (see :mod:`.boundary`)."""
+        successor's input leaves collected (see :mod:`.boundary`). With :attr:`defer_weight_grads`,
+        the weight gradients are computed after the input gradients are sent."""
         index = window.first_index + k
         saved = self._stash.pop((index, c))
+        deferred = DeferredWeights() if self.defer_weight_grads else None
+        blocks = reversed(self.blocks)
         inputs, outputs = saved.pop()
+        block = next(blocks)
         if self.is_last:
-            self.module.manual_backward(outputs)
+            start = time.perf_counter()
+            self.module.manual_backward(outputs)  # Lightning's precision plugins scale the loss here
+            grads = leaf_grads(inputs)
         else:
             assert self.transport is not None
-            backward_through(outputs, self.transport.recv_gradient(index, c))
-        while saved:
-            grads = leaf_grads(inputs)
+            received = self.transport.recv_gradient(index, c)
+            start = time.perf_counter()
+            grads = self._block_backward(outputs, received, inputs, window.architectures[k], block, deferred)
+        for block in blocks:
             inputs, outputs = saved.pop()
-            backward_through(outputs, grads)
+            grads = self._block_backward(outputs, grads, inputs, window.architectures[k], block, deferred)
         if not self.is_first:
             assert self.transport is not None
-            self.transport.send_gradient(index, c, leaf_grads(inputs))
+            self.seconds_to_send.append(time.perf_counter() - start)
+            self.transport.send_gradient(index, c, grads)
+        if deferred is not None:
+            deferred.run()
+
+    def _block_backward(self, outputs: Any, grads: Sequence[Tensor | None], inputs: Any,
+                        architecture: Architecture, block: int,
+                        deferred: DeferredWeights | None) -> tuple[Tensor | None, ...]:
+        if deferred is None:
+            backward_through(outputs, grads)
+            return leaf_grads(inputs)
+        supernet = self.module.supernet
+        params = [p for r in sorted(supernet.resources((block,), architecture))
+                  for p in supernet.resource_state(r).params]
+        return deferred.backward(outputs, grads, inputs, params)
 
 
 def _describe(value: Any) -> str:

@@ -131,14 +131,15 @@ def _batches(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(6, 5, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(count)]
 
 
-def _train(net: lnp.Supernet, ranges: list[range], data: list, window: int, chunks: int) -> tuple[Any, ...]:
+def _train(net: lnp.Supernet, ranges: list[range], data: list, window: int, chunks: int,
+           defer: bool | None = None) -> tuple[Any, ...]:
     module = FakeModule(copy.deepcopy(net))
     if len(ranges) == 1:
         engine = Engine(ranges, chunks=chunks)
         losses = [loss for start in range(0, len(data), window)
                   for loss in engine.train_window(module, data[start:start + window], start).losses]
     else:
-        losses = train_pipelined(module, ranges, data, window, chunks)
+        losses = train_pipelined(module, ranges, data, window, chunks, defer_weight_grads=defer)
     return module.supernet.state_dict(), module.optimizer.state_dict()["state"], losses
 
 
@@ -153,8 +154,11 @@ def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...], where: str) -> None:
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), chunks=st.sampled_from([1, 2]))
-def test_every_cut_gives_the_one_stage_result(seed: int, chunks: int) -> None:
+@given(seed=st.integers(0, 10**6), chunks=st.sampled_from([1, 2]), defer=st.sampled_from([None, True, False]))
+def test_every_cut_gives_the_one_stage_result(seed: int, chunks: int, defer: bool | None) -> None:
+    """``defer``: every stage but the first sends its input gradients before it computes its weight
+    gradients (:mod:`lightning_naspipe.weight_grads`) in every window (``True``), never (``False``), or
+    as measured (``None``)."""
     net = random_space(seed)
     data = _batches(10, seed)
     forbidden = tied_cuts(net)
@@ -162,12 +166,12 @@ def test_every_cut_gives_the_one_stage_result(seed: int, chunks: int) -> None:
     cuts = [j for j in range(1, len(net)) if j not in forbidden]
     for j in cuts:
         for window in (1, 8):
-            got = _train(net, [range(0, j), range(j, len(net))], data, window, chunks)
+            got = _train(net, [range(0, j), range(j, len(net))], data, window, chunks, defer)
             _assert_same(reference, got, f"seed {seed}, cut {j}, window {window}")
     if len(cuts) >= 2:
         a, b = random.Random(seed).sample(cuts, 2)
         a, b = min(a, b), max(a, b)
-        got = _train(net, [range(0, a), range(a, b), range(b, len(net))], data, 8, chunks)
+        got = _train(net, [range(0, a), range(a, b), range(b, len(net))], data, 8, chunks, defer)
         _assert_same(reference, got, f"seed {seed}, cuts {a} and {b}")
 
 

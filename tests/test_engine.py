@@ -245,3 +245,28 @@ def test_a_forward_through_buffers_is_not_run_ahead() -> None:
         early[pick] = {(s, a.subnet) for s, a in plan.carried}
     assert early[2] == {(0, 0), (1, 0)}, "subnet 3 forwards ahead on every stage but the last"
     assert early[1] == {(0, 0)}, "but not through BatchNorm on stage 1"
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_stages_behind_a_shared_stem_measure_deferred_weight_grads_at_chunks_1_with_the_same_result(
+        chunks: int) -> None:
+    """Block 0 (a trainable stem) is in every subnet, so every window is serialised for the later stages:
+    at ``chunks=1`` they alternate deferring and not over their trial windows (measured, so which way
+    wins is up to the machine); at ``chunks=2`` they never defer. Results are the sequential ones."""
+    data = batches(24)
+    ref_net, ref_optim, ref_losses = reference_training(make_supernet(), data, chunks)
+    module = FakeModule(make_supernet())
+    engines: list[Engine] = []
+    losses = train_pipelined(module, [range(0, 2), range(2, 4), range(4, 5)], data, 4, chunks,  # type: ignore[arg-type]
+                             engines=engines)
+    assert engines[0].windows_deferred == 0
+    if chunks == 1:
+        assert all(e.windows_deferred >= e.deferral.trials for e in engines[1:])
+    else:
+        assert all(e.windows_deferred == 0 for e in engines[1:])
+    for (name, a), b in zip(ref_net.state_dict().items(), module.supernet.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert len(losses) == 24 and all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    state = module.optimizer.state_dict()["state"]
+    assert state.keys() == ref_optim["state"].keys()
+    assert all(torch.equal(state[k][f], ref_optim["state"][k][f]) for k in state for f in state[k])
