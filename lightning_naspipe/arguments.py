@@ -31,9 +31,9 @@ def positive_int(name: str, value: object, meaning: str, optional: bool = False)
         raise _refuse(name, value, f"{meaning} (an int >= 1{', or None' if optional else ''})")
 
 
-def flag(name: str, value: object, meaning: str) -> None:
-    if not isinstance(value, bool):
-        raise _refuse(name, value, f"{meaning} (True or False)")
+def flag(name: str, value: object, meaning: str, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise _refuse(name, value, f"{meaning} (True or False{', or None' if optional else ''})")
 
 
 def choice(name: str, value: object, choices: Sequence[str | None], meaning: str) -> None:
@@ -86,6 +86,8 @@ def check_all(arguments: dict[str, Any]) -> dict[str, Any]:
                           ("telemetry", "whether per-stage busy and wait times are logged"),
                           ("lookahead", "whether the next window's forwards may run in this window's drain")):
         flag(name, arguments[name], meaning)
+    flag("defer_weight_grads", arguments["defer_weight_grads"],
+         "whether weight gradients wait until input gradients are sent (None: measured)", optional=True)
     folder("trace_dir", arguments["trace_dir"], "where the Chrome trace and timeline are written")
     choice("process_group_backend", arguments["process_group_backend"], [None, *BACKENDS],
            "the torch.distributed backend (None: gloo on CPU, NCCL on CUDA)")

@@ -94,6 +94,11 @@ class NASPipeStrategy(StagePlacement):
             has there (see :mod:`.lookahead`). Off with ``offload``, with a schedule other than
             ``"csp"``, and when the module or datamodule overrides a batch-transfer hook (Lightning
             would run it on the next batch again). Results never depend on it.
+        defer_weight_grads: on every stage but the first, compute a backward's weight gradients after
+            its input gradients are sent, so the stage before resumes sooner (see :mod:`.weight_grads`).
+            ``None``: measured per stage over its first serialised windows (consecutive subnets sharing a
+            trainable block upstream, e.g. a stem) and kept where those windows ran faster; ``True``/
+            ``False`` forces it. Results never depend on it.
         telemetry: log each stage's busy, waiting and drain time and in-flight depth
             (``telemetry/<stat>_stage<k>``) through the Trainer's loggers.
         trace_dir: also keep every action's interval and, when ``fit`` ends, write
@@ -130,6 +135,7 @@ class NASPipeStrategy(StagePlacement):
         offload: bool = False,
         offload_budget_bytes: int | None = None,
         lookahead: bool = True,
+        defer_weight_grads: bool | None = None,
         telemetry: bool = False,
         trace_dir: str | None = None,
         timeout: timedelta | float = timedelta(minutes=3),
@@ -145,8 +151,9 @@ class NASPipeStrategy(StagePlacement):
         checked = check_all(dict(
             window=window, chunks=chunks, num_stages=num_stages, balance=balance, schedule=schedule,
             rebalance_every=rebalance_every, offload=offload, offload_budget_bytes=offload_budget_bytes,
-            lookahead=lookahead, telemetry=telemetry, trace_dir=trace_dir, timeout=timeout,
-            process_group_backend=process_group_backend, transport=transport, start_method=start_method))
+            lookahead=lookahead, defer_weight_grads=defer_weight_grads, telemetry=telemetry, trace_dir=trace_dir,
+            timeout=timeout, process_group_backend=process_group_backend, transport=transport,
+            start_method=start_method))
         self._init_plugins(accelerator=accelerator, parallel_devices=parallel_devices,
                            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                            precision_plugin=precision_plugin)
@@ -162,6 +169,7 @@ class NASPipeStrategy(StagePlacement):
         self.offload = offload
         self.offload_budget_bytes = offload_budget_bytes
         self.lookahead = lookahead
+        self.defer_weight_grads = defer_weight_grads
         self.telemetry = telemetry or trace_dir is not None
         self.trace_dir = trace_dir
         self.timeout: timedelta = checked["timeout"]
@@ -223,7 +231,8 @@ class NASPipeStrategy(StagePlacement):
                                      links=self.transport, spin_s=self.receive_spin_s)
             transport.telemetry = telemetry
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
-                             schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload)
+                             schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload,
+                             defer_weight_grads=self.defer_weight_grads)
         self._loader: WindowLoader | None = None
         self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
         if self.world_size > 1:

@@ -20,6 +20,7 @@ BAD = [
     ({"process_group_backend": "NCCL"}, "process_group_backend='NCCL'.*'nccl'"),
     ({"start_method": "thread"}, "start_method='thread'.*'popen'"),
     ({"transport": "tcp"}, "transport='tcp'.*'shared_memory'"),
+    ({"defer_weight_grads": "auto"}, "defer_weight_grads='auto'.*True or False, or None"),
 ]
 
 
@@ -36,3 +37,5 @@ def test_timeout_in_seconds_and_good_arguments_are_kept() -> None:
     assert strategy.balance == [2, 3] and strategy.rebalance_every is None  # an explicit balance is kept
     assert (strategy.window, strategy.chunks, strategy.schedule, strategy.telemetry) == (3, 2, "gpipe", True)
     assert lnp.NASPipeStrategy(timeout=timedelta(minutes=1)).timeout == timedelta(minutes=1)
+    assert lnp.NASPipeStrategy().defer_weight_grads is None
+    assert lnp.NASPipeStrategy(defer_weight_grads=False).defer_weight_grads is False
