@@ -56,7 +56,7 @@ def worker(cfg: dict[str, Any]) -> None:
     strategy: Any = "auto"
     if cfg["stages"]:
         strategy = lnp.NASPipeStrategy(chunks=chosen.chunks, telemetry=cfg.get("telemetry", False),
-                                       transport=cfg["transport"], lookahead=cfg.get("lookahead", True))
+                                       transport=cfg["transport"], **cfg.get("settings", {}))
     fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, max(cfg["stages"], 1))
     if isinstance(strategy, lnp.NASPipeStrategy) and strategy.is_global_zero:
         add_to_result(cfg["out"], split=[len(r) for r in strategy.stage_ranges])
