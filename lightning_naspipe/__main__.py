@@ -26,7 +26,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         spec = wide_spec(args.wide, args.blocks, args.block_ms)
     predictions = plan(spec, args.stages, args.window, args.chunks, args.schedule, subnets=args.subnets,
-                       seed=args.seed, batch_size=args.batch_size, lookahead=not args.no_lookahead)
+                       seed=args.seed, batch_size=args.batch_size, lookahead=not args.no_lookahead,
+                       defer_weight_grads=args.defer_weight_grads)
     if args.json:
         print(json.dumps([p.to_dict() for p in predictions], indent=1))
         return 0
@@ -65,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=None, help="samples per subnet, for samples/s")
     p.add_argument("--no-lookahead", action="store_true",
                    help="as NASPipeStrategy(lookahead=False): every window drains before the next starts")
+    p.add_argument("--defer-weight-grads", choices=[True, False], type=lambda v: {"on": True, "off": False}[v],
+                   default=None, metavar="{on,off}",
+                   help="as NASPipeStrategy(defer_weight_grads=...): on/off; default: the engine's measured choice "
+                        "on the spec's input- and weight-pass times")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.set_defaults(run=_plan)
     args = parser.parse_args(argv)

@@ -23,7 +23,8 @@ keeps the order of every gradient accumulation as the one-pass backward has it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -229,7 +230,7 @@ def _median(windows: Sequence[Sequence[float]]) -> float:
     return values[len(values) // 2]
 
 
-def serialised(resources: Sequence[Sequence[frozenset[object]]], size: int, stage: int) -> bool:
+def serialised(resources: Sequence[Sequence[AbstractSet[Hashable]]], size: int, stage: int) -> bool:
     """Whether at least half of the consecutive pairs of a window's first ``size`` subnets share a
     resource on a stage before ``stage`` (``resources[k][s]``: subnet ``k``'s on stage ``s``)."""
     pairs = [any(resources[k][s] & resources[k + 1][s] for s in range(stage)) for k in range(size - 1)]

@@ -25,6 +25,12 @@ def test_time_paths_times_every_candidate_once_per_round() -> None:
                        clock=lambda: float(next(ticks)))
     assert [len(k) for k in times.forward[1]] == [2, 2] and len(times.forward[0][0]) == 4  # warm-up dropped
     assert all(v > 0 for block in times.forward for k in block for v in k)
+    assert times.input_backward == [] and times.deferred_ms(0, 0) is None
+    deferred = time_paths([[nn.Linear(4, 8)], [nn.Linear(8, 8), nn.ReLU()]], torch.randn(3, 4), repeats=2,
+                          clock=lambda: float(next(ticks)), deferred=True)
+    assert [len(k) for k in deferred.input_backward[1]] == [2, 2] == [len(k) for k in deferred.weight_backward[1]]
+    assert deferred.weight_backward[1][1] == [1.0, 1.0]  # ReLU has no weights: an empty pass, one tick
+    assert all(v > 0 for block in deferred.input_backward for k in block for v in k)
     with pytest.raises(BlockFailure, match="block 1"):
         time_paths([[nn.Linear(4, 8)], [nn.Linear(5, 5)]], torch.randn(3, 4), repeats=1)
 

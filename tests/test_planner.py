@@ -192,3 +192,43 @@ def test_lookahead_fills_the_drain_unless_buffers_keep_forwards_in_their_window(
         block.candidates = [dataclasses.replace(c, buffers=True) for c in block.candidates]
     # No forward runs ahead; the stages still run their windows back to back (no barrier at window ends).
     assert off.subnets_per_s <= simulate(spec, 2, 8).subnets_per_s < on.subnets_per_s
+
+
+def stem_spec(input_ms: float, weight_ms: float) -> SpaceSpec:
+    """A trainable stem on every subnet (so windows are serialised for stage 1), then choice blocks whose
+    backward is 3 ms one pass, or ``input_ms`` + ``weight_ms`` deferred."""
+    op = CandidateSpec(1.0, 3.0, True, False, input_ms, weight_ms)
+    return SpaceSpec([BlockSpec(None, [CandidateSpec(2.0, 4.0, True)]), BlockSpec("a", [op] * 4),
+                      BlockSpec("b", [op] * 4), BlockSpec("c", [op] * 4)])
+
+
+def test_deferred_weight_grads_send_sooner_where_a_stem_serialises_the_pipeline() -> None:
+    spec = stem_spec(1.0, 2.2)
+    kwargs: dict[str, Any] = dict(balance=[2, 2], subnets=32)
+    never = simulate(spec, 2, 8, defer_weight_grads=False, **kwargs)
+    forced = simulate(spec, 2, 8, defer_weight_grads=True, **kwargs)
+    measured = simulate(spec, 2, 8, **kwargs)
+    # One subnet in flight: F 3 + 2, stage 1's gradient after 3 (the loss block, one pass) + 1 instead of
+    # 6 ms, stage 0's backward 7: about 16 ms a subnet instead of 18.
+    assert forced.makespan_ms / 32 == pytest.approx(16.0, abs=0.2) and never.makespan_ms / 32 == pytest.approx(
+        18.0, abs=0.2)
+    assert measured.makespan_ms == forced.makespan_ms  # 4 ms < 0.9 x 6 ms: the engine's rule defers
+    assert forced.busy_ms[1] > never.busy_ms[1]  # the weight pass costs more than the one-pass share
+    # Micro-batches: never eligible, so measured is one pass; unmeasured passes: one pass too.
+    assert simulate(spec, 2, 8, chunks=2, **kwargs).makespan_ms == simulate(
+        spec, 2, 8, chunks=2, defer_weight_grads=False, **kwargs).makespan_ms
+    unmeasured = stem_spec(1.0, 2.2)
+    for block in unmeasured.blocks:
+        block.candidates = [dataclasses.replace(c, input_backward_ms=None) for c in block.candidates]
+    assert simulate(unmeasured, 2, 8, **kwargs).makespan_ms == never.makespan_ms
+
+
+def test_the_modelled_choice_keeps_one_pass_when_the_input_pass_is_not_clearly_faster() -> None:
+    spec = stem_spec(2.9, 0.5)  # the input pass saves too little: 5.9 ms against 6 ms to send
+    kwargs: dict[str, Any] = dict(balance=[2, 2], subnets=32)
+    assert simulate(spec, 2, 8, **kwargs).makespan_ms == simulate(spec, 2, 8, defer_weight_grads=False,
+                                                                  **kwargs).makespan_ms
+    independent = SpaceSpec([BlockSpec(f"l{i}", [CandidateSpec(1.0, 3.0, True, False, 1.0, 2.2)] * 32)
+                             for i in range(4)])  # 32 candidates: consecutive subnets rarely share
+    assert simulate(independent, 2, 8, subnets=32).makespan_ms == simulate(
+        independent, 2, 8, subnets=32, defer_weight_grads=False).makespan_ms

@@ -21,6 +21,10 @@ def test_spec_json_round_trip_and_validation() -> None:
         SpaceSpec([BlockSpec(None, [CandidateSpec(1, 1)])], parallel_slowdown=0.5)
     with pytest.raises(ValueError, match="negative or NaN"):
         SpaceSpec([BlockSpec(None, [CandidateSpec(float("nan"), 1)])])
+    with pytest.raises(ValueError, match="negative or NaN"):
+        SpaceSpec([BlockSpec(None, [CandidateSpec(1, 1, True, False, -1.0, 0.5)])])
+    passes = SpaceSpec([BlockSpec(None, [CandidateSpec(1, 2, True, False, 0.5, 1.5)])])
+    assert SpaceSpec.from_json(passes.to_json()) == passes and passes.blocks[0].candidates[0].deferred_ms == (0.5, 1.5)
 
 
 def test_wide_spec_has_equal_stateful_candidates() -> None:

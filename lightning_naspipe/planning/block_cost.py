@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_naspipe.boundary import tensors_in
+from lightning_naspipe.boundary import cut, grad_targets, tensors_in
 from lightning_naspipe.choice import ChoiceBlock, active_architecture
 from lightning_naspipe.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.planning.space_spec import candidate_ms
 from lightning_naspipe.sampling import keyed_rng
+from lightning_naspipe.weight_grads import DeferredWeights
 
 __all__ = ["BlockFailure", "PathTimes", "time_paths"]
 
@@ -51,30 +52,41 @@ class PathTimes:
         update: the optimizer step per stateful op, one value per timed path (none without an optimizer).
         variants: aligned with ``forward``: which candidates the choices nested in the block took on
             that path (``()`` when it has none); empty: all ``()``.
+        input_backward: aligned with ``forward`` (empty unless timed): the block's backward as a stage that
+            defers its weight gradients runs it, the input-gradient pass (:mod:`...weight_grads`).
+        weight_backward: the same, the weight-gradient pass after it.
     """
 
     forward: list[list[list[float]]]
     backward: list[list[list[float]]]
     update: list[float] = field(default_factory=list)
     variants: list[list[list[tuple[int, ...]]]] = field(default_factory=list)
+    input_backward: list[list[list[float]]] = field(default_factory=list)
+    weight_backward: list[list[list[float]]] = field(default_factory=list)
 
     def cost_ms(self, block: int, candidate: int) -> tuple[float, float]:
         """Forward and backward milliseconds of ``candidate`` of ``block``: per variant of its nested
         choices the :func:`~.space_spec.candidate_ms` of its rounds, then the mean over the variants
         (a sampled cell's expected cost; the median of a mix of cells would be one cell's)."""
-        forward, backward = self.forward[block][candidate], self.backward[block][candidate]
-        picks = self.variants[block][candidate] if self.variants else [()] * len(forward)
+        return self._reduce(self.forward, block, candidate), self._reduce(self.backward, block, candidate)
+
+    def deferred_ms(self, block: int, candidate: int) -> tuple[float, float] | None:
+        """Input- and weight-gradient pass milliseconds, reduced as :meth:`cost_ms`; ``None`` if not timed."""
+        if not self.input_backward:
+            return None
+        return (self._reduce(self.input_backward, block, candidate),
+                self._reduce(self.weight_backward, block, candidate))
+
+    def _reduce(self, series: list[list[list[float]]], block: int, candidate: int) -> float:
+        seconds = series[block][candidate]
+        picks = self.variants[block][candidate] if self.variants else [()] * len(seconds)
         kinds = sorted(set(picks))
-
-        def reduce(seconds: list[float]) -> float:
-            return sum(candidate_ms([t for t, p in zip(seconds, picks) if p == kind]) for kind in kinds) / len(kinds)
-
-        return reduce(forward), reduce(backward)
+        return sum(candidate_ms([t for t, p in zip(seconds, picks) if p == kind]) for kind in kinds) / len(kinds)
 
 
 def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
                clock: Callable[[], float] = time.perf_counter,
-               optimizer: torch.optim.Optimizer | None = None) -> PathTimes:
+               optimizer: torch.optim.Optimizer | None = None, deferred: bool = False) -> PathTimes:
     """Train paths through ``ops`` (per block, its candidates) and time every block of each.
 
     One warm-up round, then ``repeats`` rounds of as many paths as the most candidates of any choice
@@ -82,7 +94,10 @@ def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
     backward ends when the gradient of its input is computed (a hook on it); the first blocks,
     whose inputs need no gradient, end when the backward returns. With an ``optimizer`` (over the
     ops' parameters), each path ends with a step restricted to the path's parameters, as the
-    engine updates a subnet. Modifies the ops (gradients, buffers, optimizer state): time copies.
+    engine updates a subnet. With ``deferred``, each path then runs once more, cut at every block
+    boundary as training runs it, with each block's weight gradients deferred (:mod:`...weight_grads`),
+    timing the two passes (:attr:`PathTimes.input_backward`, :attr:`PathTimes.weight_backward`).
+    Modifies the ops (gradients, buffers, optimizer state): time copies.
 
     Raises:
         BlockFailure: a block's forward or the backward raised.
@@ -93,19 +108,27 @@ def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
     nested = nested_choice_counts(ops)
     nested_labels = [[sorted(nested_choice_counts([[op]])) for op in c] for c in ops]
     paths = max([len(c) for c in ops] + list(nested.values()))
-    times = PathTimes([[[] for _ in c] for c in ops], [[[] for _ in c] for c in ops],
-                      variants=[[[] for _ in c] for c in ops])
+    def per_candidate() -> list[list[list[float]]]:
+        return [[[] for _ in c] for c in ops]
+
+    times = PathTimes(per_candidate(), per_candidate(), variants=[[[] for _ in c] for c in ops],
+                      input_backward=per_candidate() if deferred else [],
+                      weight_backward=per_candidate() if deferred else [])
     for run in range((repeats + 1) * paths):  # the first round warms up kernels and optimizer state
         picks = [run % len(c) for c in ops]
         # Nested choices cycle through their candidates too, so a cell costs what a sampled cell does.
         inside = {label: run % count for label, count in nested.items()}
-        forward, backward, update = _time_path([c[k] for c, k in zip(ops, picks)], example_input, optimizer, run,
-                                               clock, inside)
+        path = [c[k] for c, k in zip(ops, picks)]
+        forward, backward, update = _time_path(path, example_input, optimizer, run, clock, inside)
+        passes = _time_deferred(path, example_input, run, clock, inside) if deferred else None
         if run >= paths:
             for i, k in enumerate(picks):
                 times.forward[i][k].append(forward[i])
                 times.backward[i][k].append(backward[i])
                 times.variants[i][k].append(tuple(inside[label] for label in nested_labels[i][k]))
+                if passes is not None:
+                    times.input_backward[i][k].append(passes[i][0])
+                    times.weight_backward[i][k].append(passes[i][1])
             times.update += update
     return times
 
@@ -155,3 +178,33 @@ def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer |
     for p in params:
         p.grad = None
     return forward, backward, update
+
+
+def _time_deferred(path: list[nn.Module], x: Any, run: int, clock: Callable[[], float],
+                   nested: Mapping[str, int]) -> list[tuple[float, float]]:
+    """Per block of ``path``, seconds of its input-gradient pass and of its weight-gradient pass, blocks
+    cut at every boundary; the first block's input, as given, may need no gradient (one pass then)."""
+    saved = []
+    for i, op in enumerate(path):
+        if i > 0:
+            x = cut(x)
+        with keyed_rng(torch.device("cpu"), 0, run, i, 0), active_architecture(nested):
+            y = op(x)
+        saved.append((x, y))
+        x = y
+    grads: tuple[Tensor | None, ...] = tuple(torch.ones_like(t) for t in grad_targets(x))
+    passes: list[tuple[float, float]] = [(0.0, 0.0)] * len(path)
+    pending = []
+    for i in reversed(range(len(path))):
+        inputs, outputs = saved[i]
+        deferred, t0 = DeferredWeights(), clock()
+        grads = deferred.backward(outputs, grads, inputs, list(path[i].parameters()))
+        pending.append((i, deferred, clock() - t0))
+    for i, deferred, seconds in pending:
+        t0 = clock()
+        deferred.run()
+        passes[i] = (seconds, clock() - t0)
+    for op in path:
+        for p in op.parameters():
+            p.grad = None
+    return passes

@@ -30,6 +30,7 @@ from lightning_naspipe.schedule import (
     build_schedule,
     scheduling_resources,
 )
+from lightning_naspipe.planning.deferral import deferring, passes
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
 
 __all__ = ["CAUSES", "TICKS_PER_MS", "BlockSpec", "CandidateSpec", "Prediction", "SpaceSpec", "plan", "simulate",
@@ -42,6 +43,8 @@ TICKS_PER_MS = 100
 #: in the engine's fixed order, and fixed per-window overheads.
 CAUSES = ("dependency", "data", "communication", "order", "overhead")
 Resource = tuple[int, int]
+#: Key of a stage's per-subnet costs: ticks from a backward's start to its gradient's send.
+SEND = "send"
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def _ticks(ms: float) -> int:
 def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedule: str = "csp",
              subnets: int | None = None, seed: int = 0, balance: Sequence[int] | None = None,
              architectures: Sequence[Mapping[str, int]] | None = None, batch_size: int | None = None,
-             order: str = "engine", lookahead: bool = True) -> Prediction:
+             order: str = "engine", lookahead: bool = True, defer_weight_grads: bool | None = None) -> Prediction:
     """Predict a run of ``subnets`` subnets (default: 64, rounded up to whole windows).
 
     Args:
@@ -121,6 +124,10 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
             stages, each window is planned with the next one's forwards in its drain (:mod:`..lookahead`)
             and the stages run their steps back to back, each pausing for the per-window overheads at
             its own window end; else windows run one after another, each drained at its end.
+        defer_weight_grads: as ``NASPipeStrategy(defer_weight_grads=...)``: where a stage defers, a backward
+            sends its gradient after the blocks' input-gradient passes and then runs their weight passes
+            (the candidates' ``input_backward_ms``/``weight_backward_ms``). ``None`` decides per stage as the
+            engine does (:class:`~lightning_naspipe.weight_grads.DeferralChooser`), on the modelled times.
     """
     labels = spec.labels()
     if schedule not in SCHEDULES:
@@ -143,19 +150,22 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
     bounds = [sum(balance[:s]) for s in range(stages + 1)]
     ranges = [range(bounds[s], bounds[s + 1]) for s in range(stages)]
     run = _rolled if lookahead and stages > 1 and schedule == "csp" and order == "engine" else _run
-    pred = run(spec, ranges, architectures, window, chunks, schedule, order, 1.0, batch_size)
+    _, res, _ = _subnets(spec, ranges, architectures, chunks, 1.0)
+    defer = deferring(spec, ranges, architectures, res, window, chunks, defer_weight_grads)
+    pred = run(spec, ranges, architectures, window, chunks, schedule, order, 1.0, batch_size, defer)
     scale = 1.0
     for _ in range(4 if stages > 1 and spec.parallel_slowdown > 1 else 0):
         # Contention: compute is parallel_slowdown x slower while every stage computes, less while some idle.
         span = pred.makespan_ms - pred.stalls_ms[0]["overhead"]
         busy = sum(pred.busy_ms) / (stages * span) if span else 0.0
         scale = (scale + 1 + (spec.parallel_slowdown - 1) * busy) / 2
-        pred = run(spec, ranges, architectures, window, chunks, schedule, order, scale, batch_size)
+        pred = run(spec, ranges, architectures, window, chunks, schedule, order, scale, batch_size, defer)
     return pred
 
 
 def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], window: int, chunks: int,
-         schedule: str, order: str, scale: float, batch_size: int | None) -> Prediction:
+         schedule: str, order: str, scale: float, batch_size: int | None,
+         defer: Sequence[Sequence[bool]] | None = None) -> Prediction:
     """Simulate the windows one after another, compute times scaled by ``scale``."""
     stages = len(ranges)
     total = 0
@@ -166,7 +176,7 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
     latency = round(spec.message_ms * TICKS_PER_MS)
     for first in range(0, len(architectures), window):
         archs = architectures[first:first + window]
-        costs, res, _ = _subnets(spec, ranges, archs, chunks, scale)
+        costs, res, _ = _subnets(spec, ranges, archs, chunks, scale, defer[first:first + window] if defer else None)
         seen = scheduling_resources(schedule, res)
         if order == "greedy":
             sched = build_schedule(seen, chunks, lambda s, a: costs[a.subnet][s][a.kind], latency=latency)
@@ -174,7 +184,8 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
             sched = _timed(build_schedule(seen, chunks).stages, costs, latency)
         overhead = round((fixed + len(archs) * spec.subnet_overhead_ms) * TICKS_PER_MS)
         for s in range(stages):
-            b, idle, peak, area = _analyse(sched, s, seen, chunks, latency, order == "engine")
+            b, idle, peak, area = _analyse(sched, s, seen, chunks, latency, order == "engine",
+                                           costs=costs if order == "engine" else None)
             busy[s] += b
             for cause, ticks in idle.items():
                 stalls[s][cause] += ticks
@@ -188,13 +199,15 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
 
 
 def _subnets(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], chunks: int,
-             scale: float) -> tuple[list[list[dict[str, int]]], list[list[frozenset[Resource]]], list[list[bool]]]:
-    """Per subnet and stage: its action costs, its resources (stateful picks) and whether a pick holds buffers."""
+             scale: float, defer: Sequence[Sequence[bool]] | None = None,
+             ) -> tuple[list[list[dict[str, int]]], list[list[frozenset[Resource]]], list[list[bool]]]:
+    """Per subnet and stage: its action costs, its resources (stateful picks) and whether a pick holds buffers;
+    ``defer[i][s]``: stage ``s`` defers subnet ``i``'s weight gradients."""
     picks = [[(b, arch[block.label] if block.label is not None else 0) for b, block in enumerate(spec.blocks)]
              for arch in architectures]
     chosen = [[[picks[i][b] for b in r] for r in ranges] for i in range(len(architectures))]
-    costs = [[_stage_costs(spec, stage, chunks, s, len(ranges), scale) for s, stage in enumerate(per)]
-             for per in chosen]
+    costs = [[_stage_costs(spec, stage, chunks, s, len(ranges), scale, bool(defer and defer[i][s]))
+              for s, stage in enumerate(per)] for i, per in enumerate(chosen)]
     res = [[frozenset(p for p in stage if spec.blocks[p[0]].candidates[p[1]].stateful) for stage in per]
            for per in chosen]
     buffers = [[any(spec.blocks[b].candidates[k].buffers for b, k in stage) for stage in per] for per in chosen]
@@ -202,11 +215,12 @@ def _subnets(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mappi
 
 
 def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], window: int,
-            chunks: int, schedule: str, order: str, scale: float, batch_size: int | None) -> Prediction:
+            chunks: int, schedule: str, order: str, scale: float, batch_size: int | None,
+            defer: Sequence[Sequence[bool]] | None = None) -> Prediction:
     """The engine with lookahead: every window planned as :func:`..lookahead.plan_step` plans it, the
     stages' steps run back to back, and each stage pauses at its own window ends for the overheads."""
     stages, n = len(ranges), len(architectures)
-    costs, res, buffers = _subnets(spec, ranges, architectures, chunks, scale)
+    costs, res, buffers = _subnets(spec, ranges, architectures, chunks, scale, defer)
     orders: list[list[Action]] = [[] for _ in range(stages)]
     pauses: list[dict[int, int]] = [{} for _ in range(stages)]
     done: frozenset[tuple[int, Action]] = frozenset()
@@ -225,7 +239,7 @@ def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mappin
     sched = _timed(orders, costs, latency, pauses)
     busy, stalls, inflight_max, inflight_mean = [], [], [], []
     for s in range(stages):
-        b, idle, peak, area = _analyse(sched, s, res, chunks, latency, True, pauses[s])
+        b, idle, peak, area = _analyse(sched, s, res, chunks, latency, True, pauses[s], costs)
         busy.append(b)
         stalls.append(idle)
         inflight_max.append(peak)
@@ -243,13 +257,18 @@ def plan(spec: SpaceSpec, stages_list: Iterable[int] = (1, 2, 4, 8, 16, 32, 64),
 
 
 def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int, stages: int,
-                 scale: float) -> dict[str, int]:
-    """Ticks of F and B per chunk, and of U, for one subnet on stage ``s``; compute times ``scale``."""
+                 scale: float, defer: bool = False) -> dict[str, int]:
+    """Ticks of F and B per chunk, and of U, for one subnet on stage ``s``; compute times ``scale``; and
+    :data:`SEND`, the ticks from a B's start to its gradient's send (its end unless ``defer``)."""
     ops = [spec.blocks[b].candidates[k] for b, k in picks]
     over = spec.action_overhead_ms * scale
     messages = spec.message_cpu_ms * ((s > 0) + (s < stages - 1))  # F and B each receive and send one
-    return {FORWARD: _ticks(scale * sum(o.forward_ms for o in ops) / chunks + over + messages),
-            BACKWARD: _ticks(scale * sum(o.backward_ms for o in ops) / chunks + over + messages),
+    split = passes(ops, s == stages - 1) if defer else None
+    backward = sum(o.backward_ms for o in ops) if split is None else sum(split)
+    after = 0.0 if split is None else split[1]
+    b = _ticks(scale * backward / chunks + over + messages)
+    return {FORWARD: _ticks(scale * sum(o.forward_ms for o in ops) / chunks + over + messages), BACKWARD: b,
+            SEND: b - round(scale * after / chunks * TICKS_PER_MS),
             UPDATE: _ticks(scale * spec.update_ms * sum(o.stateful for o in ops) + over)}
 
 
@@ -275,14 +294,16 @@ def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]]
                 if 0 <= peer <= last:
                     if (peer, a) not in finish:
                         break
-                    at = max(at, finish[(peer, a)]) + latency
+                    sent = start[(peer, a)] + costs[a.subnet][peer][SEND] if a.kind == BACKWARD else finish[(peer, a)]
+                    at = max(at, sent) + latency
                 start[(s, a)], finish[(s, a)] = at, at + costs[a.subnet][s][a.kind]
                 free[s], pc[s] = finish[(s, a)], pc[s] + 1
     return Schedule(tuple(tuple(o) for o in orders), start, finish)
 
 
 def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], chunks: int, latency: int,
-             rendezvous: bool, pauses: Mapping[int, int] | None = None) -> tuple[int, dict[str, int], int, int]:
+             rendezvous: bool, pauses: Mapping[int, int] | None = None,
+             costs: Sequence[Sequence[Mapping[str, int]]] | None = None) -> tuple[int, dict[str, int], int, int]:
     """Busy ticks, idle ticks per cause, peak in-flight and in-flight tick-area of stage ``s``.
 
     In an idle gap, each action whose same-stage dependencies are done is ready (but later in the
@@ -302,6 +323,8 @@ def _analyse(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], c
     def produced(peer: int, kind: str) -> list[list[int | None]]:  # when each message was sent to stage s
         if not 0 <= peer <= last:
             return [[None] * chunks for _ in range(n)]
+        if kind == BACKWARD and costs is not None:  # a deferring stage sends before its weight pass
+            return [[start[(peer, Action(kind, i, c))] + costs[i][peer][SEND] for c in range(chunks)] for i in range(n)]
         return [[finish[(peer, Action(kind, i, c))] for c in range(chunks)] for i in range(n)]
     sent = {FORWARD: produced(s - 1, FORWARD), BACKWARD: produced(s + 1, BACKWARD)}
     unlocked = [finish[(s, Action(UPDATE, k))] if k >= 0 else -1 for k in gate]

@@ -78,9 +78,10 @@ def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats:
                     clock: Callable[[], float]) -> tuple[list[BlockSpec], float]:
     """Per-candidate costs, and the update's per resource, training paths through every candidate."""
     ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
-    times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())))
+    times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())), deferred=True)
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
-                        [CandidateSpec(*times.cost_ms(i, k), _has_state(op), any(True for _ in op.buffers()))
+                        [CandidateSpec(*times.cost_ms(i, k), _has_state(op), any(True for _ in op.buffers()),
+                                       *(times.deferred_ms(i, k) or (None, None)))
                          for k, op in enumerate(ops[i])])
               for i, block in enumerate(net.blocks)]
     return blocks, candidate_ms(times.update) if times.update else 0.0
@@ -159,14 +160,19 @@ def _scale_to_engine(spec: SpaceSpec, net: Supernet, x: Any, optimizer: Optimize
     measured_ms = 1000 * (clock() - start)
     bare = dataclasses.replace(spec, step_overhead_ms=0.0, subnet_overhead_ms=0.0)
     no_compute = dataclasses.replace(bare, update_ms=0.0, blocks=[
-        BlockSpec(b.label, [dataclasses.replace(c, forward_ms=0.0, backward_ms=0.0) for c in b.candidates])
+        BlockSpec(b.label, [dataclasses.replace(c, forward_ms=0.0, backward_ms=0.0, input_backward_ms=None,
+                                                weight_backward_ms=None) for c in b.candidates])
         for b in spec.blocks])
     fixed_ms = simulate(no_compute, 1, window, subnets=first).makespan_ms
     compute_ms = simulate(bare, 1, window, subnets=first).makespan_ms - fixed_ms
     scale = (measured_ms - fixed_ms) / compute_ms if compute_ms > 0 and measured_ms > fixed_ms else 1.0
+    def scaled(c: CandidateSpec) -> CandidateSpec:
+        passes = c.deferred_ms
+        return dataclasses.replace(c, forward_ms=c.forward_ms * scale, backward_ms=c.backward_ms * scale,
+                                   input_backward_ms=None if passes is None else passes[0] * scale,
+                                   weight_backward_ms=None if passes is None else passes[1] * scale)
     for block in spec.blocks:
-        block.candidates = [dataclasses.replace(c, forward_ms=c.forward_ms * scale, backward_ms=c.backward_ms * scale)
-                            for c in block.candidates]
+        block.candidates = [scaled(c) for c in block.candidates]
     spec.update_ms *= scale
 
 

@@ -34,12 +34,23 @@ def block_cost_ms(candidates_ms: Sequence[float]) -> float:
 @dataclass
 class CandidateSpec:
     """One candidate op: ``forward_ms``/``backward_ms`` per subnet batch; ``stateful``: parameters or buffers;
-    ``buffers``: buffers, which a training forward may change (its forward then never runs ahead)."""
+    ``buffers``: buffers, which a training forward may change (its forward then never runs ahead);
+    ``input_backward_ms``/``weight_backward_ms``: its backward's two passes on a stage that defers weight
+    gradients (``None``: not measured, and a stage holding it is modelled as never deferring)."""
 
     forward_ms: float
     backward_ms: float
     stateful: bool = True
     buffers: bool = False
+    input_backward_ms: float | None = None
+    weight_backward_ms: float | None = None
+
+    @property
+    def deferred_ms(self) -> tuple[float, float] | None:
+        """``(input_backward_ms, weight_backward_ms)`` when both are measured."""
+        if self.input_backward_ms is None or self.weight_backward_ms is None:
+            return None
+        return self.input_backward_ms, self.weight_backward_ms
 
 
 @dataclass
@@ -92,7 +103,8 @@ class SpaceSpec:
         for i, block in enumerate(self.blocks):
             if not block.candidates or (block.label is None and len(block.candidates) != 1):
                 raise ValueError(f"block {i} needs candidates, and exactly one when it is fixed (label None)")
-            if any(not (c.forward_ms >= 0 and c.backward_ms >= 0) for c in block.candidates):
+            if any(not (c.forward_ms >= 0 and c.backward_ms >= 0) or not all(t >= 0 for t in c.deferred_ms or ())
+                   for c in block.candidates):
                 raise ValueError(f"block {i} has a negative or NaN cost")
         self.labels()  # equal candidate counts per label
 
