@@ -15,10 +15,13 @@ Graph shape (``x`` a block input leaf, ``W`` a parameter; the input pass runs th
                               (intersection) ├─► TBackward ─► W   (weight side)
                                              └─► b
 
-A block whose graph does not split cleanly (a parameter that reaches an output without crossing
-the input paths, a parameter used on two intersections, an intersection upstream of another
-intersection of the same parameter group) runs its one-pass backward instead; :class:`DeferredWeights`
-keeps the order of every gradient accumulation as the one-pass backward has it.
+A block whose graph does not split cleanly (a parameter that reaches an output without crossing the
+input paths or meets them at two nodes, a gradient for a tensor that is neither an input leaf nor a
+given parameter, a custom ``autograd.Function``) runs its one-pass backward instead, after the weight
+passes of the blocks behind it, so every gradient accumulates in the one-pass order. A hook that a
+block's forward registers on an intermediate tensor (``Tensor.register_hook``) is called again in the
+weight pass when that tensor's node is an intersection; its result is not used there (the node gets
+the gradients of the input pass), so values are unchanged, but a hook with side effects sees them twice.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from lightning_naspipe.boundary import backward_through, grad_targets, laid_out, leaf_grads
@@ -36,11 +40,12 @@ from lightning_naspipe.boundary import backward_through, grad_targets, laid_out,
 
 @dataclass
 class _Group:
-    """Parameters whose weight-side paths meet the input paths at the same intersections."""
+    """The parameters whose paths meet the input paths at one node (the intersection), and the
+    gradients that node received in the input pass."""
 
+    node: Node
     params: list[Tensor]
-    intersections: list[Node]
-    grads: dict[Node, tuple[Tensor | None, ...]] = field(default_factory=dict)
+    grads: tuple[Tensor | None, ...] = ()
 
 
 @dataclass
@@ -58,15 +63,16 @@ class DeferredWeights:
         pending, self._pending = self._pending, []
         for groups in pending:
             for group in groups:
-                roots: list[GradientEdge] = []
-                grads: list[Tensor] = []
-                for node in group.intersections:
-                    for nr, grad in enumerate(group.grads.get(node, ())):
-                        if grad is not None:
-                            roots.append(GradientEdge(node, nr))
-                            grads.append(grad)
-                if roots:
-                    torch.autograd.backward(roots, grads, inputs=group.params)
+                roots = [(GradientEdge(group.node, nr), g) for nr, g in enumerate(group.grads) if g is not None]
+                if not roots:
+                    continue
+                # A hook the block's forward put on the node's output tensor runs again here; the node
+                # gets the gradients it got in the input pass, where that hook already ran, all the same.
+                handle = group.node.register_prehook(lambda _, kept=group.grads: kept)
+                try:
+                    torch.autograd.backward([r for r, _ in roots], [g for _, g in roots], inputs=group.params)
+                finally:
+                    handle.remove()
 
     def backward(self, outputs: object, grads: Sequence[Tensor | None], inputs: object,
                  params: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
@@ -96,7 +102,7 @@ class DeferredWeights:
             self.run()
             backward_through(outputs, grads)
             return leaf_grads(inputs)
-        handles = [node.register_prehook(_keep(group, node)) for group in groups for node in group.intersections]
+        handles = [group.node.register_prehook(_keep(group)) for group in groups]
         try:
             found = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs], retain_graph=True,
                                         allow_unused=True)
@@ -107,9 +113,9 @@ class DeferredWeights:
         return tuple(None if g is None else laid_out(g) for g in found)
 
 
-def _keep(group: _Group, node: Node) -> Callable[[tuple[Tensor | None, ...]], None]:
+def _keep(group: _Group) -> Callable[[tuple[Tensor | None, ...]], None]:
     def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
-        group.grads[node] = grad_outputs
+        group.grads = grad_outputs
     return hook
 
 
@@ -137,6 +143,8 @@ def _split(pairs: Sequence[tuple[Tensor, Tensor]], leaves: Sequence[Tensor],
     known = {id(t) for t in (*leaves, *params)}
     if any(id(getattr(node, "variable", None)) not in known for node in seen if hasattr(node, "variable")):
         return None  # a tensor outside the block's parameters gets a gradient: only one pass can be sure of it
+    if any(isinstance(node, BackwardCFunction) for node in seen):
+        return None  # a custom autograd.Function (reentrant checkpointing, module backward hooks) may not rerun
     input_side = {_node(leaf) for leaf in leaves} & seen
     queue = list(input_side)
     while queue:  # every node with a path to an input leaf
@@ -164,8 +172,7 @@ def _split(pairs: Sequence[tuple[Tensor, Tensor]], leaves: Sequence[Tensor],
         if len(met) != 1:
             return None  # one intersection per parameter keeps each weight pass a single root set
         node = met.pop()
-        group = groups.setdefault(node, _Group([], [node]))
-        group.params.append(param)
+        groups.setdefault(node, _Group(node, [])).params.append(param)
     return list(groups.values())
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_naspipe.boundary import backward_through, cut, leaf_grads
 from lightning_naspipe.weight_grads import DeferralChooser, DeferredWeights, serialised
@@ -178,3 +179,49 @@ def test_serialised_counts_consecutive_pairs_sharing_upstream() -> None:
     half = [[frozenset({a})], [frozenset({a})], [frozenset({b})], [frozenset({(9, 9)})], [frozenset({(9, 9)})]]
     assert serialised([[r[0], frozenset()] for r in half], 5, stage=1)  # 2 of 4 pairs
     assert not serialised(every, 1, stage=1)  # no pair
+
+
+class HookedIntermediate(nn.Module):
+    """Registers a gradient hook on an intermediate tensor whose node is an intersection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(self.halve)
+        return torch.tanh(self.b(torch.tanh(h)))
+
+    def halve(self, grad: Tensor) -> Tensor:
+        self.calls += 1
+        return grad * 0.5
+
+
+def test_a_tensor_hook_in_a_block_changes_the_gradients_once() -> None:
+    torch.manual_seed(3)
+    blocks: list[nn.Module] = [HookedIntermediate(), HookedIntermediate()]
+    compare(blocks, torch.randn(3, 4, requires_grad=True), (torch.randn(3, 4),))
+    assert [b.calls for b in blocks] == [2, 2]  # called again in the weight pass, its result unused there
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.reentrant = reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = checkpoint(self.inner, x, use_reentrant=self.reentrant)
+        return out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_defers_or_takes_one_pass(reentrant: bool) -> None:
+    """Non-reentrant checkpointing splits like any graph; the reentrant kind is a custom autograd.Function,
+    which the input pass cannot run (``autograd.grad`` is refused), so its block takes one pass."""
+    torch.manual_seed(4)
+    compare([Checkpointed(reentrant), Checkpointed(reentrant)], torch.randn(3, 4, requires_grad=True),
+            (torch.randn(3, 4),), expect_deferred=not reentrant)
