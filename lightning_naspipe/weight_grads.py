@@ -196,7 +196,7 @@ class DeferralChooser:
         margin: how much sooner deferring must send, as a fraction of the one-pass time.
     """
 
-    def __init__(self, trials: int = 2, forced: bool | None = None, margin: float = 0.9) -> None:
+    def __init__(self, trials: int = 3, forced: bool | None = None, margin: float = 0.95) -> None:
         self.trials = trials
         self.forced = forced
         self.margin = margin

@@ -212,7 +212,7 @@ def test_deferred_weight_grads_send_sooner_where_a_stem_serialises_the_pipeline(
     # 6 ms, stage 0's backward 7: about 16 ms a subnet instead of 18.
     assert forced.makespan_ms / 32 == pytest.approx(16.0, abs=0.2) and never.makespan_ms / 32 == pytest.approx(
         18.0, abs=0.2)
-    assert measured.makespan_ms == forced.makespan_ms  # 4 ms < 0.9 x 6 ms: the engine's rule defers
+    assert measured.makespan_ms == forced.makespan_ms  # 4 ms < 0.95 x 6 ms: the engine's rule defers
     assert forced.busy_ms[1] > never.busy_ms[1]  # the weight pass costs more than the one-pass share
     # Micro-batches: never eligible, so measured is one pass; unmeasured passes: one pass too.
     assert simulate(spec, 2, 8, chunks=2, **kwargs).makespan_ms == simulate(
