@@ -96,9 +96,10 @@ class NASPipeStrategy(StagePlacement):
             would run it on the next batch again). Results never depend on it.
         defer_weight_grads: on every stage but the first, compute a backward's weight gradients after
             its input gradients are sent, so the stage before resumes sooner (see :mod:`.weight_grads`).
-            ``None``: measured per stage over its first serialised windows (consecutive subnets sharing a
-            trainable block upstream, e.g. a stem) and kept where those windows ran faster; ``True``/
-            ``False`` forces it. Results never depend on it.
+            ``None``: measured per stage over its first eligible windows (``chunks=1``, most consecutive
+            subnets sharing a trainable block upstream, e.g. a stem), three each way, and kept where the
+            input gradients left at least 5% sooner; never outside such windows. ``True``/``False``
+            forces it. Results never depend on it.
         telemetry: log each stage's busy, waiting and drain time and in-flight depth
             (``telemetry/<stat>_stage<k>``) through the Trainer's loggers.
         trace_dir: also keep every action's interval and, when ``fit`` ends, write

@@ -150,8 +150,10 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
     bounds = [sum(balance[:s]) for s in range(stages + 1)]
     ranges = [range(bounds[s], bounds[s + 1]) for s in range(stages)]
     run = _rolled if lookahead and stages > 1 and schedule == "csp" and order == "engine" else _run
-    _, res, _ = _subnets(spec, ranges, architectures, chunks, 1.0)
-    defer = deferring(spec, ranges, architectures, res, window, chunks, defer_weight_grads)
+    defer = None  # one stage, or deferring forced off: no stage defers, and no subnet's resources are needed
+    if stages > 1 and defer_weight_grads is not False:
+        _, res, _ = _subnets(spec, ranges, architectures, chunks, 1.0)
+        defer = deferring(spec, ranges, architectures, res, window, chunks, defer_weight_grads)
     pred = run(spec, ranges, architectures, window, chunks, schedule, order, 1.0, batch_size, defer)
     scale = 1.0
     for _ in range(4 if stages > 1 and spec.parallel_slowdown > 1 else 0):
