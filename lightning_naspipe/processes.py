@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -32,6 +33,9 @@ from lightning_naspipe.transport import StageFailure
 TBroadcast = TypeVar("TBroadcast")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _REPORT_LAST_S = 3.0  # how long rank 0 waits for its failing stage processes before reporting
+#: How long Lightning's process observer lets rank 0 report a failed stage before it kills all
+#: (detection is immediate, the report takes ``_REPORT_LAST_S`` plus the store's 1 s and teardown).
+_OBSERVER_GRACE_S = 15.0
 
 if TYPE_CHECKING:  # checked against one namespace's API; at run time a mixin for either (strategy.py)
     from pytorch_lightning.strategies import ParallelStrategy as _StrategyBase
@@ -140,6 +144,7 @@ class StageProcesses(_StrategyBase):
         self._children = list(getattr(self._launcher, "procs", None) or [])  # Lightning's popen launcher, rank 0
         if self._children:
             atexit.register(reap, self._children)
+            delay_observer_kill(_OBSERVER_GRACE_S)
         if self.world_size > 1:
             self._pin_to_cores()  # before the process group starts its threads: they inherit the pinning
             distributed = self._distributed()
@@ -207,6 +212,29 @@ def exit_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def delay_observer_kill(grace_s: float) -> None:
+    """Let rank 0 say which stage failed before Lightning's process observer ends the run.
+
+    Lightning's popen launcher polls the stage processes every 5 s from a thread that, once one has
+    exited with an error (e.g. SIGKILLed by the OOM killer), SIGKILLs all of them and this process,
+    which then dies before its own report of the failed stage (the error the user should see). The
+    stages detect a lost neighbour at once and rank 0 exits by itself, so the observer (a private
+    Lightning class, found by its thread name) waits ``grace_s`` first: it is left the backstop for
+    a process that hangs.
+    """
+    for thread in threading.enumerate():
+        terminate = getattr(thread, "_terminate_all", None)
+        if thread.name != "child-process-observer" or terminate is None or getattr(thread, "_naspipe_delayed", False):
+            continue
+
+        def delayed(terminate: Any = terminate) -> None:
+            time.sleep(grace_s)  # a daemon thread: it ends with this process if rank 0 exits first
+            terminate()
+
+        thread._terminate_all = delayed  # type: ignore[attr-defined]
+        thread._naspipe_delayed = True  # type: ignore[attr-defined]
 
 
 def wait_for_exit(children: Sequence[subprocess.Popen[bytes]], grace_s: float) -> list[subprocess.Popen[bytes]]:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from lightning_naspipe.processes import StageProcesses, reap, wait_for_exit
+from lightning_naspipe.namespaces import installed
+from lightning_naspipe.processes import StageProcesses, delay_observer_kill, reap, wait_for_exit
 from lightning_naspipe.transport import StageFailure
 
 
@@ -62,3 +63,24 @@ def test_receives_spin_only_on_cores_the_process_has_to_itself() -> None:
     assert processes.receive_spin_s == 0.0  # not pinned: another stage may need the core
     processes._affinity_before = {0, 1}  # pinned to its own share of the cores
     assert processes.receive_spin_s > 0.0
+
+
+@pytest.mark.parametrize("namespace", installed(), ids=lambda ns: ns.name)
+def test_lightnings_process_observer_lets_rank_0_report_first(namespace) -> None:
+    # Lightning's popen launcher SIGKILLs the launching process (rank 0) and every stage within 5 s
+    # of a stage failing, which hid rank 0's report of the failed stage; it must wait its grace first.
+    observers = namespace.fabric_module("strategies.launchers.subprocess_script")
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    failed.wait()
+    rank_0 = _child(30)  # stands in for the launching process
+    observer = observers._ChildProcessObserver(main_pid=rank_0.pid, child_processes=[failed], sleep_period=3600)
+    observer.start()  # asleep: the test runs its check below
+    try:
+        delay_observer_kill(1.0)
+        delay_observer_kill(1.0)  # a second fit in the same process does not delay it twice
+        start = time.monotonic()
+        assert observer._run()  # it found the failed stage and ended the run ...
+        assert 1.0 <= time.monotonic() - start < 2.0  # ... after the grace, once
+        assert rank_0.wait(timeout=10) < 0
+    finally:
+        reap([rank_0], grace_s=0.0)
