@@ -66,7 +66,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 # Messages travel through shared memory by default (stages on one host); "torch" is gloo's point-to-point.
 @pytest.mark.parametrize("stages, window, timed_split, transport",
-                         [(2, 1, False, "auto"), (2, 8, False, "auto"), (3, 1, True, "auto"), (3, 8, False, "torch")])
+                         [(2, 8, False, "auto"), (3, 1, True, "auto"), (3, 8, False, "torch")])
 def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int, timed_split: bool,
                                     transport: str) -> None:
     ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window), "--transport", transport,
@@ -96,16 +96,13 @@ def test_default_split_is_timed_on_the_first_batch_and_changes_nothing(tmp_path:
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_rebalancing_every_window_changes_nothing(tmp_path: Path, plain: dict, offload: bool) -> None:
-    # The first cut moves every window (there and back), with weights, buffers and Adam state.
+    # The first cut moves every window (there and back), with weights, buffers and Adam state; with offload,
+    # also the host stash (the pipelined offload test: 3 stages, the result equals the plain Trainer's).
     ckpt = _launch(tmp_path, "--devices", "3", "--window", "4", "--force-rebalance",
                    *(["--offload"] if offload else []))
     assert_same_state(plain, _state(ckpt))
     moves = Path(f"{ckpt}.moves").read_text().split("\n")[:-1]
     assert len(moves) >= 3 * 6  # 3 ranks, one move per window after the first: 24 subnets / window 4
-
-
-def test_offload_on_two_stages_equals_plain_trainer(tmp_path: Path, plain: dict) -> None:
-    assert_same_state(plain, _state(_launch(tmp_path, "--devices", "2", "--window", "8", "--offload")))
 
 
 def test_async_baseline_runs_but_is_not_exact(tmp_path: Path, plain: dict) -> None:
@@ -148,9 +145,7 @@ def test_lookahead_checkpoints_mid_window_pair_and_resumes_bitwise(tmp_path: Pat
 
 
 def test_lightning_namespace_equals_plain_and_checkpoints_cross_namespaces(tmp_path: Path, plain: dict) -> None:
-    # `plain` ran under pytorch_lightning; here the stage processes run lightning.pytorch.
-    assert_same_state(plain, _state(_launch(tmp_path, "--devices", "2", name="lightning",
-                                            LNP_TEST_NAMESPACE="lightning.pytorch")))
+    # `plain` ran under pytorch_lightning; here the stage processes run lightning.pytorch up to step 10.
     stop = _launch(tmp_path, "--devices", "2", "--window", "4", "--max-steps", "10", name="stop",
                    LNP_TEST_NAMESPACE="lightning.pytorch")
     resumed = _launch(tmp_path, "--devices", "2", "--resume", str(stop), name="resumed",
@@ -224,6 +219,8 @@ def test_sigterm_stops_every_stage_with_a_checkpoint_that_resumes_bitwise(tmp_pa
     assert _gone_within(sorted(tmp_path.glob("run.ckpt.pid*")), 30)
     stopped_at = torch.load(saved, weights_only=False)["global_step"]
     assert 9 <= stopped_at < 24
+    if target != "1":
+        return  # resuming is the same for both: checked once
     resumed = _state(_launch(tmp_path, "--devices", "3", "--resume", str(saved), name="resumed"))
     assert set(resumed["losses"]) == set(range(stopped_at, 24))
     assert_same_state({**plain, "losses": {i: plain["losses"][i] for i in resumed["losses"]}}, resumed)
@@ -254,14 +251,14 @@ def test_failed_stage_ends_the_run_naming_it(tmp_path: Path, signum: int) -> Non
 def test_no_stage_process_outlives_a_failed_run(tmp_path: Path, stage: int, signum: int) -> None:
     start = time.monotonic()
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "run.ckpt"), "--devices", "2",
-                           "--window", "4", "--timeout", "10", "--kill-stage", str(stage), "--kill-step", "9",
+                           "--window", "4", "--timeout", "5", "--kill-stage", str(stage), "--kill-step", "9",
                            "--kill-signal", str(int(signum))],
                           env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    # The run ends within timeout + 10 s of the fault (plus start-up and 9 subnets) and leaves no stage
+    # The run ends within timeout + 15 s of the fault (plus start-up and 9 subnets) and leaves no stage
     # process behind: a stopped one is killed by the launcher at its exit, survivors die with their parent.
     assert _gone_within(sorted(tmp_path.glob("run.ckpt.pid*")), 5)
-    assert time.monotonic() - start < 10 + 10 + 20, proc.stderr[-2000:]
+    assert time.monotonic() - start < 5 + 15 + 20, proc.stderr[-2000:]
 
 
 def _free_port() -> str:

@@ -194,30 +194,34 @@ class _CountedPoll:
         return self.poll_object.poll(timeout_ms)
 
 
-def _spinning_worker(rank: int, init_method: str, results: dict, spin_s: float) -> None:
+SPINS = {30.0: False, 0.01: True, 0.0: True}  # spin_s: whether a receive 0.3 s early sleeps
+
+
+def _spinning_worker(rank: int, init_method: str, results: dict) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60), links="shared_memory",
-                             spin_s=spin_s)
-    links = transport.links
-    assert isinstance(links, SharedMemoryLinks)
-    dist.barrier()
-    if rank == 0:
-        time.sleep(0.3)  # the receiver is waiting by now
-        transport.send_value(1, torch.arange(4.0))
-    else:
-        counted = links._polls[0] = _CountedPoll(links._polls[0])
-        results["value"] = transport.recv_value(0)
-        results["sleeps"] = counted.sleeps
-    dist.barrier()
-    transport.close()
+    for spin_s in SPINS:  # one process pair for all (starting one costs seconds)
+        transport = P2PTransport(rank, [0, 1], torch.device("cpu"), timedelta(seconds=60), links="shared_memory",
+                                 spin_s=spin_s)
+        links = transport.links
+        assert isinstance(links, SharedMemoryLinks)
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.3)  # the receiver is waiting by now
+            transport.send_value(1, torch.arange(4.0))
+        else:
+            counted = links._polls[0] = _CountedPoll(links._polls[0])
+            results[spin_s] = (transport.recv_value(0), counted.sleeps)
+        dist.barrier()
+        transport.close()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("spin_s", "slept"), [(30.0, False), (0.01, True), (0.0, True)])
-def test_a_receive_polls_without_sleeping_for_spin_s_then_sleeps(spin_s: float, slept: bool) -> None:
-    results = spawn_gloo_pair(functools.partial(_spinning_worker, spin_s=spin_s))
-    assert torch.equal(results["value"], torch.arange(4.0))
-    assert (results["sleeps"] > 0) == slept
+def test_a_receive_polls_without_sleeping_for_spin_s_then_sleeps() -> None:
+    results = spawn_gloo_pair(_spinning_worker)
+    for spin_s, slept in SPINS.items():
+        value, sleeps = results[spin_s]
+        assert torch.equal(value, torch.arange(4.0))
+        assert (sleeps > 0) == slept, spin_s
 
 
 def _idle_worker(rank: int, init_method: str, results: dict, links: str) -> None:
