@@ -182,7 +182,7 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
         overhead = round((fixed + len(archs) * spec.subnet_overhead_ms) * TICKS_PER_MS)
         for s in range(stages):
             b, idle, peak, area = analyse_stage(sched, s, seen, chunks, latency, order == "engine",
-                                           costs=costs if order == "engine" else None)
+                                                costs=costs if order == "engine" else None)
             busy[s] += b
             for cause, ticks in idle.items():
                 stalls[s][cause] += ticks
