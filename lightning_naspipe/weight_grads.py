@@ -93,11 +93,8 @@ class DeferredWeights:
             raise RuntimeError(f"a block boundary got {len(grads)} gradients for {len(targets)} tensors that need one")
         pairs = [(t, g) for t, g in zip(targets, grads) if g is not None]
         leaves = grad_targets(inputs)
-        if not pairs or not leaves:
-            self.run()  # nothing flows to the inputs: the one-pass backward, after the blocks before it
-            backward_through(outputs, grads)
-            return leaf_grads(inputs)
-        groups = _split(pairs, leaves, [p for p in params if p.requires_grad])
+        # Nothing flows to the inputs, or the graph does not split: the one-pass backward, after the blocks before it.
+        groups = _split(pairs, leaves, [p for p in params if p.requires_grad]) if pairs and leaves else None
         if groups is None:
             self.run()
             backward_through(outputs, grads)

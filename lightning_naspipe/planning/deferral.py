@@ -61,8 +61,4 @@ def passes(ops: Sequence[CandidateSpec], last: bool) -> tuple[float, float] | No
 
 
 def _picks(spec: SpaceSpec, arch: Mapping[str, int], blocks: range) -> list[CandidateSpec]:
-    found = []
-    for b in blocks:
-        block = spec.blocks[b]
-        found.append(block.candidates[0 if block.label is None else arch[block.label]])
-    return found
+    return [spec.blocks[b].candidates[spec.blocks[b].pick(arch)] for b in blocks]

@@ -200,8 +200,7 @@ def _subnets(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mappi
              ) -> tuple[list[list[dict[str, int]]], list[list[frozenset[Resource]]], list[list[bool]]]:
     """Per subnet and stage: its action costs, its resources (stateful picks) and whether a pick holds buffers;
     ``defer[i][s]``: stage ``s`` defers subnet ``i``'s weight gradients."""
-    picks = [[(b, arch[block.label] if block.label is not None else 0) for b, block in enumerate(spec.blocks)]
-             for arch in architectures]
+    picks = [[(b, block.pick(arch)) for b, block in enumerate(spec.blocks)] for arch in architectures]
     chosen = [[[picks[i][b] for b in r] for r in ranges] for i in range(len(architectures))]
     costs = [[_stage_costs(spec, stage, chunks, s, len(ranges), scale, bool(defer and defer[i][s]))
               for s, stage in enumerate(per)] for i, per in enumerate(chosen)]

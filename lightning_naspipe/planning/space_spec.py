@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 __all__ = ["BlockSpec", "CandidateSpec", "SpaceSpec", "block_cost_ms", "candidate_ms", "wide_spec"]
@@ -59,6 +59,10 @@ class BlockSpec:
 
     label: str | None
     candidates: list[CandidateSpec]
+
+    def pick(self, architecture: Mapping[str, int]) -> int:
+        """The candidate a subnet (label -> candidate) takes here: its label's, or 0 in a fixed block."""
+        return 0 if self.label is None else architecture[self.label]
 
     @property
     def cost_ms(self) -> float:
