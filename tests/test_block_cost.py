@@ -76,3 +76,24 @@ def test_a_cell_costs_the_mean_over_its_nested_choices() -> None:
     assert times.cost_ms(1, 0)[0] == pytest.approx((1 + 3 + 8) / 3)
     spec = profile_supernet(net, torch.randn(3, 2), clock=lambda: _CLOCK[0], engine_seconds=0, action_overhead_ms=0.0)
     assert spec.blocks[1].candidates[0].forward_ms == pytest.approx(4.0)
+
+
+class _CountingSGD(torch.optim.SGD):
+    """Advances the test's clock by 1 ms per parameter it steps: an update of known cost."""
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        _CLOCK[0] += sum(p.grad is not None for group in self.param_groups for p in group["params"]) / 1000
+        super().step()
+
+
+def test_the_update_costs_what_the_engine_steps_on_average_per_op_holding_state() -> None:
+    # A cell whose edge trains a weight on one path and nothing on the other (a skip edge): the engine
+    # steps 3 then 2 parameters (3 and 2 ms here) for 2 ops holding state, so a subnet's update is
+    # 2.5 ms on average; the planner charges update_ms per such op. (Counting only the ops that
+    # trained, and taking the median, gave 1.75 ms per op: 3.5 ms a subnet.)
+    cell = nn.Sequential(lnp.ChoiceBlock([_Tick(0), nn.Identity()], label="edge"))
+    net = lnp.Supernet(nn.Linear(2, 2), cell)
+    spec = profile_supernet(net, torch.randn(3, 2), optimizer=lambda params: _CountingSGD(params, lr=0.1),
+                            clock=lambda: _CLOCK[0], engine_seconds=0, action_overhead_ms=0.0)
+    owners = sum(block.candidates[0].stateful for block in spec.blocks)
+    assert owners == 2 and spec.update_ms * owners == pytest.approx((3 + 2) / 2)

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from lightning_naspipe.boundary import tensors_in
 from lightning_naspipe.engine import Engine
-from lightning_naspipe.planning.block_cost import time_paths
-from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, candidate_ms
+from lightning_naspipe.planning.block_cost import holds_state, time_paths
+from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
 from lightning_naspipe.sampling import uniform_architecture
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
 
@@ -80,11 +80,13 @@ def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats:
     ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
     times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())), deferred=True)
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
-                        [CandidateSpec(*times.cost_ms(i, k), _has_state(op), any(True for _ in op.buffers()),
+                        [CandidateSpec(*times.cost_ms(i, k), holds_state(op), any(True for _ in op.buffers()),
                                        *(times.deferred_ms(i, k) or (None, None)))
                          for k, op in enumerate(ops[i])])
               for i, block in enumerate(net.blocks)]
-    return blocks, candidate_ms(times.update) if times.update else 0.0
+    # The mean, not the median: a path's step cost swings with what its nested choices trained
+    # (bimodal on cells), and a run pays the average.
+    return blocks, 1000 * statistics.mean(times.update) if times.update else 0.0
 
 
 class _NullModule:
@@ -174,7 +176,3 @@ def _scale_to_engine(spec: SpaceSpec, net: Supernet, x: Any, optimizer: Optimize
     for block in spec.blocks:
         block.candidates = [scaled(c) for c in block.candidates]
     spec.update_ms *= scale
-
-
-def _has_state(op: nn.Module) -> bool:
-    return any(True for _ in op.parameters()) or any(True for _ in op.buffers())
