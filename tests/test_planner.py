@@ -70,6 +70,23 @@ def test_trainable_fixed_blocks_never_overlap() -> None:
     assert csp.subnets_per_s < 1.05 * simulate(spec, 1, 8).subnets_per_s
 
 
+def test_stages_read_the_next_windows_batches_while_they_wait() -> None:
+    # Fully serialised (every subnet trains every block): each stage waits ~6 ms per subnet for the
+    # other, so reading a window's batches (subnet_overhead_ms each) hides in the window before;
+    # only the first window pays it. Without lookahead the model keeps windows apart and charges it all.
+    spec = SpaceSpec([BlockSpec(None, [CandidateSpec(1.0, 2.0, True)]) for _ in range(4)])
+    base = simulate(spec, 2, 8, subnets=32)
+    spec.subnet_overhead_ms = 0.5
+    read = simulate(spec, 2, 8, subnets=32)
+    assert read.makespan_ms == pytest.approx(base.makespan_ms + 8 * 0.5)
+    assert all(st["overhead"] == pytest.approx(8 * 0.5) for st in read.stalls_ms)
+    spec.subnet_overhead_ms = 20.0  # more than the waits: the rest is paid at each window's start
+    assert simulate(spec, 2, 8, subnets=32).makespan_ms > base.makespan_ms + 8 * 20.0 + 3 * 8 * (20.0 - 7.0)
+    apart = dataclasses.replace(spec, subnet_overhead_ms=0.5)
+    assert simulate(apart, 2, 8, subnets=32, lookahead=False).makespan_ms == pytest.approx(
+        simulate(spec, 2, 8, subnets=32, lookahead=False).makespan_ms - 32 * 19.5)
+
+
 def test_one_in_flight_is_slower_than_csp_and_async_is_not() -> None:
     spec = wide_spec(16)
     rates = {mode: simulate(spec, 4, 16, schedule=mode).subnets_per_s for mode in planner.SCHEDULES}

@@ -118,7 +118,8 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
         lookahead: as ``NASPipeStrategy(lookahead=...)``: with ``"engine"`` order, ``"csp"`` and several
             stages, each window is planned with the next one's forwards in its drain (:mod:`..lookahead`)
             and the stages run their steps back to back, each pausing for the per-window overheads at
-            its own window end; else windows run one after another, each drained at its end.
+            its own window end, less the batch reading its waits in the window before hid; else windows
+            run one after another, each drained at its end.
         defer_weight_grads: as ``NASPipeStrategy(defer_weight_grads=...)``: where a stage defers, a backward
             sends its gradient after the blocks' input-gradient passes and then runs their weight passes
             (the candidates' ``input_backward_ms``/``weight_backward_ms``). ``None`` decides per stage as the
@@ -178,7 +179,7 @@ def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[s
         if order == "greedy":
             sched = build_schedule(seen, chunks, lambda s, a: costs[a.subnet][s][a.kind], latency=latency)
         else:
-            sched = _timed(build_schedule(seen, chunks).stages, costs, latency)
+            sched, _ = _timed(build_schedule(seen, chunks).stages, costs, latency)
         overhead = round((fixed + len(archs) * spec.subnet_overhead_ms) * TICKS_PER_MS)
         for s in range(stages):
             b, idle, peak, area = analyse_stage(sched, s, seen, chunks, latency, order == "engine",
@@ -218,7 +219,7 @@ def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mappin
     stages, n = len(ranges), len(architectures)
     costs, res, buffers = _subnets(spec, ranges, architectures, chunks, scale, defer)
     orders: list[list[Action]] = [[] for _ in range(stages)]
-    pauses: list[dict[int, int]] = [{} for _ in range(stages)]
+    pauses: list[dict[int, tuple[int, int]]] = [{} for _ in range(stages)]
     done: frozenset[tuple[int, Action]] = frozenset()
     for first in range(0, n, window):
         size, joint = min(window, n - first), res[first:first + 2 * window]
@@ -226,16 +227,19 @@ def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mappin
             return not buffers[first + i][s]
 
         step = plan_step(joint, size, chunks, done, may_run_early)
-        pause = round((spec.step_overhead_ms + spec.sync_ms + size * spec.subnet_overhead_ms) * TICKS_PER_MS)
+        # Lightning's per-window work, and reading the window's batches: the stages read those while
+        # they wait for messages in the window before (WindowLoader.read_ahead).
+        pause = (round((spec.step_overhead_ms + spec.sync_ms) * TICKS_PER_MS),
+                 round(size * spec.subnet_overhead_ms * TICKS_PER_MS))
         for s, actions in enumerate(step.schedule.stages):
             pauses[s][len(orders[s])] = pause
             orders[s] += [Action(a.kind, first + a.subnet, a.chunk) for a in actions]
         done = step.carried
     latency = round(spec.message_ms * TICKS_PER_MS)
-    sched = _timed(orders, costs, latency, pauses)
+    sched, paused = _timed(orders, costs, latency, pauses)
     busy, stalls, inflight_max, inflight_mean = [], [], [], []
     for s in range(stages):
-        b, idle, peak, area = analyse_stage(sched, s, res, chunks, latency, True, pauses[s], costs)
+        b, idle, peak, area = analyse_stage(sched, s, res, chunks, latency, True, paused[s], costs)
         busy.append(b)
         stalls.append(idle)
         inflight_max.append(peak)
@@ -269,32 +273,43 @@ def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int
 
 
 def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]], latency: int,
-           pauses: Sequence[Mapping[int, int]] = ()) -> Schedule:
+           pauses: Sequence[Mapping[int, tuple[int, int]]] = ()) -> tuple[Schedule, list[dict[int, int]]]:
     """Run fixed per-stage orders with these costs, as the stage processes do.
 
     An F on ``s > 0`` (a B on ``s < S-1``) first receives its activation (gradient): the transport
     moves a message once the receiver asks for it and the sender has sent it (a rendezvous), so the
     receiver waits ``latency`` from then on, however early the message was sent. ``pauses[s][p]``:
-    ticks stage ``s`` spends before its action at position ``p`` (a window's overheads).
+    ``(fixed, reading)`` ticks stage ``s`` spends before its action at position ``p`` (a window's
+    overheads); ``reading`` is paid first out of the time the stage waited for messages since its
+    previous pause, as the stages read the next window's batches while they wait.
+
+    Returns:
+        The timed schedule, and per stage the ticks each pause took.
     """
     last = len(orders) - 1
     start: dict[tuple[int, Action], int] = {}
     finish: dict[tuple[int, Action], int] = {}
-    pc, free = [0] * len(orders), [0] * len(orders)
+    pc, free, waited = [0] * len(orders), [0] * len(orders), [0] * len(orders)
+    paused: list[dict[int, int]] = [{} for _ in orders]
     while any(pc[s] < len(o) for s, o in enumerate(orders)):
         for s, o in enumerate(orders):
             while pc[s] < len(o):
                 a = o[pc[s]]
                 peer = s - 1 if a.kind == FORWARD else s + 1 if a.kind == BACKWARD else -1
-                at = free[s] + (pauses[s].get(pc[s], 0) if pauses else 0)
+                if 0 <= peer <= last and (peer, a) not in finish:
+                    break
+                at = free[s]
+                if pauses and pc[s] in pauses[s]:
+                    fixed, reading = pauses[s][pc[s]]
+                    paused[s][pc[s]] = fixed + max(0, reading - waited[s])
+                    at, waited[s] = at + paused[s][pc[s]], 0
                 if 0 <= peer <= last:
-                    if (peer, a) not in finish:
-                        break
                     sent = start[(peer, a)] + costs[a.subnet][peer][SEND] if a.kind == BACKWARD else finish[(peer, a)]
+                    waited[s] += max(0, sent - at)
                     at = max(at, sent) + latency
                 start[(s, a)], finish[(s, a)] = at, at + costs[a.subnet][s][a.kind]
                 free[s], pc[s] = finish[(s, a)], pc[s] + 1
-    return Schedule(tuple(tuple(o) for o in orders), start, finish)
+    return Schedule(tuple(tuple(o) for o in orders), start, finish), paused
 
 
 def table(predictions: Sequence[Prediction]) -> str:
