@@ -21,8 +21,11 @@ def _net() -> lnp.Supernet:
 
 def test_time_paths_times_every_candidate_once_per_round() -> None:
     ticks = itertools.count()
-    times = time_paths([[nn.Linear(4, 8)], [nn.Linear(8, 8), nn.ReLU()]], torch.randn(3, 4), repeats=2,
-                       clock=lambda: float(next(ticks)))
+    ops: list[list[nn.Module]] = [[nn.Linear(4, 8)], [nn.Linear(8, 8), nn.ReLU()]]
+    times = time_paths(ops, torch.randn(3, 4), repeats=2, clock=lambda: float(next(ticks)))
+    # Every path's backward starts from no gradients, as a subnet's in training (accumulating into
+    # the last path's gradients cost each backward an add per parameter and skewed the split).
+    assert all(p.grad is None for candidates in ops for op in candidates for p in op.parameters())
     assert [len(k) for k in times.forward[1]] == [2, 2] and len(times.forward[0][0]) == 4  # warm-up dropped
     assert all(v > 0 for block in times.forward for k in block for v in k)
     assert times.input_backward == [] and times.deferred_ms(0, 0) is None

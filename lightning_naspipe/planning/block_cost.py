@@ -185,6 +185,8 @@ def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer |
             with restrict_param_groups(optimizer, params):
                 optimizer.step()
         update = [(clock() - t0) / owners]
+    for p in params:
+        p.grad = None  # each path's backward starts from no gradients, as the engine's
     return forward, backward, update
 
 
