@@ -18,8 +18,8 @@ SEND = "send"
 
 
 def analyse_stage(sched: Schedule, s: int, res: Sequence[Sequence[frozenset[Any]]], chunks: int, latency: int,
-             rendezvous: bool, pauses: Mapping[int, int] | None = None,
-             costs: Sequence[Sequence[Mapping[str, int]]] | None = None) -> tuple[int, dict[str, int], int, int]:
+                  rendezvous: bool, pauses: Mapping[int, int] | None = None,
+                  costs: Sequence[Sequence[Mapping[str, int]]] | None = None) -> tuple[int, dict[str, int], int, int]:
     """Busy ticks, idle ticks per cause, peak in-flight and in-flight tick-area of stage ``s``.
 
     In an idle gap, each action whose same-stage dependencies are done is ready (but later in the
