@@ -2,7 +2,9 @@
 
 Each test launches tests/pipeline_run.py, which trains the ToyNet of helpers.py (Adam, step LR,
 dropout, BatchNorm, trainable stem and head, an Identity candidate, a shared label, shuffled
-data) and writes a normal checkpoint, the per-subnet losses and every rank's weights.
+data) and writes a normal checkpoint, the per-subnet losses and every rank's weights. Exactness runs
+start their stage processes all at once, as torchrun does; the logging test and the failure tests
+go through Lightning's own launcher (rank 0 starts the others), as a plain ``python script.py`` does.
 """
 
 from __future__ import annotations
@@ -36,13 +38,23 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _launch(tmp_path: Path, *args: str, name: str = "run", timeout: float = 300, keep_stderr: bool = False,
-            **env: str) -> Any:
-    """Run pipeline_run.py; the checkpoint path, or with ``keep_stderr`` what the processes wrote to stderr."""
+            lightning_launcher: bool = False, **env: str) -> Any:
+    """Run pipeline_run.py; the checkpoint path, or with ``keep_stderr`` what the processes wrote to stderr.
+
+    Several stages start all at once with torchrun's variables (each process imports Lightning, ~7 s here,
+    in parallel); ``lightning_launcher`` has rank 0 start the others through Lightning's own launcher
+    instead, as ``python script.py`` does for a user (the failure tests below always do).
+    """
     out = tmp_path / f"{name}.ckpt"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], env=_env(**env), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stderr if keep_stderr else out
+    command, devices = ["--out", str(out), *args], int(args[args.index("--devices") + 1])
+    if devices > 1 and not lightning_launcher:
+        stderr = run_ranks(tmp_path, SCRIPT, command, [{**rank, **env} for rank in torchrun_env(devices)], timeout)
+    else:
+        proc = subprocess.run([sys.executable, str(SCRIPT), *command], env=_env(**env), cwd=tmp_path,
+                              capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stderr = proc.stderr
+    return stderr if keep_stderr else out
 
 
 def _state(ckpt: Path) -> dict[str, Any]:
@@ -65,17 +77,28 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 # Messages travel through shared memory by default (stages on one host); "torch" is gloo's point-to-point.
-@pytest.mark.parametrize("stages, window, timed_split, transport",
-                         [(2, 8, False, "auto"), (3, 1, True, "auto"), (3, 8, False, "torch")])
+# The default settings on 2 stages: test_default_split_is_timed_on_the_first_batch_and_changes_nothing.
+@pytest.mark.parametrize("stages, window, timed_split, transport, rebalance",
+                         [(3, 1, True, "auto", False), (3, 8, False, "torch", True)])
 def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int, timed_split: bool,
-                                    transport: str) -> None:
+                                    transport: str, rebalance: bool) -> None:
+    # With rebalance, the first cut moves every window (there and back) with weights, buffers and Adam
+    # state; test_rebalancing_every_window_with_offload_changes_nothing moves the offloaded host stash too.
     ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window), "--transport", transport,
-                   *(["--example-input"] if timed_split else []))
+                   *(["--example-input"] if timed_split else []), *(["--force-rebalance"] if rebalance else []))
     assert_same_state(plain, _state(ckpt))
-    for rank in range(stages):  # after fit every rank holds the full trained weights
+    _assert_every_rank_holds(plain, ckpt, stages)
+    if rebalance:
+        moves = Path(f"{ckpt}.moves").read_text().split("\n")[:-1]
+        assert len(moves) >= stages * (24 // window)  # every rank, one move per window
+
+
+def _assert_every_rank_holds(plain: dict, ckpt: Path, stages: int) -> None:
+    """After fit every rank holds the full trained weights, and every stage process used one split
+    (a timed split: rank 0's timing, broadcast)."""
+    for rank in range(stages):
         weights = torch.load(f"{ckpt}.rank{rank}")
         assert all(torch.equal(weights[k], plain["model"][k]) for k in plain["model"])
-    # Every stage process uses one split (with a timed split: rank 0's timing, broadcast).
     splits = [torch.load(f"{ckpt}.ranges{rank}", weights_only=False) for rank in range(stages)]
     assert all(split == splits[0] for split in splits) and len(splits[0]) == stages
 
@@ -85,8 +108,8 @@ def test_default_split_is_timed_on_the_first_batch_and_changes_nothing(tmp_path:
     # costs that only a split of 4 + 1 blocks balances; the parameter split it starts from is another.
     ckpt = _launch(tmp_path, "--devices", "2", "--window", "8", "--fake-block-costs", "1", "1", "1", "1", "50")
     assert_same_state(plain, _state(ckpt))
+    _assert_every_rank_holds(plain, ckpt, 2)
     assert torch.load(f"{ckpt}.ranges0", weights_only=False) == [range(0, 4), range(4, 5)]
-    assert torch.load(f"{ckpt}.ranges1", weights_only=False) == [range(0, 4), range(4, 5)]
     timed_on = torch.load(f"{ckpt}.timed_on")
     torch.manual_seed(7)
     ToyNet()  # the same draws from the global RNG as the run before its first shuffle
@@ -94,15 +117,14 @@ def test_default_split_is_timed_on_the_first_batch_and_changes_nothing(tmp_path:
     assert torch.equal(timed_on["input"], first_batch[0]) and timed_on["device"] == "cpu"
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_rebalancing_every_window_changes_nothing(tmp_path: Path, plain: dict, offload: bool) -> None:
-    # The first cut moves every window (there and back), with weights, buffers and Adam state; with offload,
-    # also the host stash (the pipelined offload test: 3 stages, the result equals the plain Trainer's).
-    ckpt = _launch(tmp_path, "--devices", "3", "--window", "4", "--force-rebalance",
-                   *(["--offload"] if offload else []))
+def test_rebalancing_every_window_with_offload_changes_nothing(tmp_path: Path, plain: dict) -> None:
+    # The first cut moves every window (there and back), with weights, buffers, Adam state and the host
+    # stash (the pipelined offload test: 3 stages, the result equals the plain Trainer's). Without
+    # offload: test_stages_equal_plain_trainer[3-8-False-torch-True].
+    ckpt = _launch(tmp_path, "--devices", "3", "--window", "4", "--force-rebalance", "--offload")
     assert_same_state(plain, _state(ckpt))
     moves = Path(f"{ckpt}.moves").read_text().split("\n")[:-1]
-    assert len(moves) >= 3 * 6  # 3 ranks, one move per window after the first: 24 subnets / window 4
+    assert len(moves) >= 3 * 6  # 3 ranks, one move per window: 24 subnets / window 4
 
 
 def test_async_baseline_runs_but_is_not_exact(tmp_path: Path, plain: dict) -> None:
@@ -117,10 +139,14 @@ def test_chunks_equal_across_stage_counts(tmp_path: Path) -> None:
     assert_same_state(one_stage, _state(_launch(tmp_path, "--devices", "2", "--window", "8", "--chunks", "2")))
 
 
-def test_stop_on_two_stages_resume_on_one_with_another_window(tmp_path: Path, plain: dict) -> None:
+def test_stop_on_two_stages_resume_on_one_with_another_window_and_namespace(tmp_path: Path, plain: dict) -> None:
+    # `plain` ran under pytorch_lightning; the stage processes run lightning.pytorch up to step 10 (mid-window),
+    # and the resume reads that checkpoint under pytorch_lightning, on 1 stage, at another window.
     # 2 stages -> 3 stages: test_lookahead_checkpoints_mid_window_pair_and_resumes_bitwise.
-    stop = _launch(tmp_path, "--devices", "2", "--window", "4", "--max-steps", "10", name="stop")
-    resumed = _launch(tmp_path, "--devices", "1", "--window", "8", "--resume", str(stop), name="resumed")
+    stop = _launch(tmp_path, "--devices", "2", "--window", "4", "--max-steps", "10", name="stop",
+                   LNP_TEST_NAMESPACE="lightning.pytorch")
+    resumed = _launch(tmp_path, "--devices", "1", "--window", "8", "--resume", str(stop), name="resumed",
+                      LNP_TEST_NAMESPACE="pytorch_lightning")
     assert_same_state(plain, _state(resumed))
 
 
@@ -143,18 +169,9 @@ def test_lookahead_checkpoints_mid_window_pair_and_resumes_bitwise(tmp_path: Pat
     assert_same_state(plain, _state(resumed))
 
 
-def test_lightning_namespace_equals_plain_and_checkpoints_cross_namespaces(tmp_path: Path, plain: dict) -> None:
-    # `plain` ran under pytorch_lightning; here the stage processes run lightning.pytorch up to step 10.
-    stop = _launch(tmp_path, "--devices", "2", "--window", "4", "--max-steps", "10", name="stop",
-                   LNP_TEST_NAMESPACE="lightning.pytorch")
-    resumed = _launch(tmp_path, "--devices", "2", "--resume", str(stop), name="resumed",
-                      LNP_TEST_NAMESPACE="pytorch_lightning")
-    assert_same_state(plain, _state(resumed))
-
-
 def test_logging_and_validation_match_plain_run(tmp_path: Path) -> None:
     warned = _launch(tmp_path, "--devices", "2", "--log-dir", str(tmp_path / "piped"), PYTHONWARNINGS="default",
-                     keep_stderr=True)
+                     keep_stderr=True, lightning_launcher=True)
     # No warning from the library, and not Lightning's sync_dist advice, which does not apply here.
     assert "sync_dist" not in warned and "lightning_naspipe/" not in warned, warned[-3000:]
     # The plain reference logs the same way, in-process.
@@ -266,33 +283,41 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _launch_each_rank(tmp_path: Path, args: list[str], rank_env: list[dict[str, str]]) -> None:
-    """Start one pipeline_run.py per rank, as a cluster would, and wait for all of them to succeed.
+def torchrun_env(ranks: int) -> list[dict[str, str]]:
+    """Each rank's variables as torchrun sets them on one node (Lightning then launches nothing)."""
+    return [{"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+             "GROUP_RANK": "0", "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(ranks)]
+
+
+def run_ranks(tmp_path: Path, script: Path, args: list[str], rank_env: list[dict[str, str]],
+              timeout: float = 300) -> str:
+    """Start one ``script`` process per rank, as a cluster would, wait for all of them to succeed; their stderr.
 
     The rendezvous port is picked free, then closed before rank 0 binds it, so another process may
     take it in between: a launch that fails for that reason alone is retried on a new port.
     """
     for attempt in range(3):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _free_port()}
-        procs = [subprocess.Popen([sys.executable, str(SCRIPT), *args], env={**_env(), **env, **extra},
+        procs = [subprocess.Popen([sys.executable, str(script), *args], env={**_env(), **env, **extra},
                                   cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for extra in rank_env]
         try:
-            errors = [p.communicate(timeout=300)[1] for p in procs]
+            errors = [p.communicate(timeout=timeout)[1] for p in procs]
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGKILL)
         if all(p.returncode == 0 for p in procs):
-            return
+            return "".join(errors)
         if not any("address already in use" in e.lower() for e in errors) or attempt == 2:
             raise AssertionError("".join(e[-2000:] for e in errors))
+    raise AssertionError("unreachable")
 
 
 def test_two_nodes_on_localhost(tmp_path: Path, plain: dict) -> None:
     out = tmp_path / "nodes.ckpt"
-    _launch_each_rank(tmp_path, ["--out", str(out), "--devices", "1", "--num-nodes", "2", "--window", "8"],
-                      [{"NODE_RANK": str(node)} for node in (0, 1)])
+    run_ranks(tmp_path, SCRIPT, ["--out", str(out), "--devices", "1", "--num-nodes", "2", "--window", "8"],
+              [{"NODE_RANK": str(node)} for node in (0, 1)])
     assert_same_state(plain, _state(out))
 
 
@@ -302,10 +327,9 @@ def test_slurm_requeue_signal_saves_at_a_window_boundary_and_training_goes_on(tm
     out = tmp_path / "slurm.ckpt"
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
              "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "lnp-test"}
-    _launch_each_rank(tmp_path, ["--out", str(out), "--devices", "2", "--window", "4", "--kill-stage", "1",
+    run_ranks(tmp_path, SCRIPT, ["--out", str(out), "--devices", "2", "--window", "4", "--kill-stage", "1",
                                  "--kill-step", "9", "--kill-signal", str(int(signal.SIGUSR1))],
-                      [{**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "LOCAL_RANK": str(r)}
-                       for r in (0, 1)])
+              [{**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "LOCAL_RANK": str(r)} for r in (0, 1)])
     assert_same_state(plain, _state(out))
     saved = tmp_path / "hpc_ckpt_1.ckpt"
     stopped_at = torch.load(saved, weights_only=False)["global_step"]

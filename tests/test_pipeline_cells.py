@@ -6,8 +6,6 @@ also used before the cut, and the labels are shared by both cells: what broke 0.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ import pytorch_lightning as pl
 import torch
 
 from helpers import assert_same_state, load_example, nb201_trainer_kwargs
-from test_pipeline import _env
+from test_pipeline import run_ranks, torchrun_env
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("nb201_run.py")
@@ -48,10 +46,8 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_nb201_cut_inside_cells_equals_plain_trainer(tmp_path: Path, plain: dict, balance: list[int],
                                                      window: int) -> None:
     out = tmp_path / "run.ckpt"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(len(balance)),
-                           "--window", str(window), "--balance", *map(str, balance)],
-                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(tmp_path, SCRIPT, ["--out", str(out), "--devices", str(len(balance)), "--window", str(window),
+                                 "--balance", *map(str, balance)], torchrun_env(len(balance)))
     got = _checkpoint_state(out)
     assert got["global_step"] == 64
     assert_same_state(plain, got)
