@@ -5,6 +5,11 @@ On a machine with a GPU, from the repository root (under 5 minutes on one GPU)::
     python benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --device cpu --quick     # the same checks on CPU: a dry run
 
+Each row is also printed the moment it is measured (and ``--json`` rewritten), so a run stopped at a
+time limit still reports what it finished. Without installing the package (e.g. on a machine whose
+torch is preinstalled and older than ``pyproject.toml`` asks for), run it as
+``PYTHONPATH=$PWD python3 benchmarks/gpu_check.py``.
+
 Rows (each configuration runs in fresh processes, ``common.launch``):
 
 - ``exact gloo``: the zoo's NB201 and char-LM spaces, 1 device (the plain Trainer) against
@@ -102,6 +107,14 @@ def main() -> None:
     rows: list[tuple[str, str, str, str]] = []
     started = time.monotonic()
 
+    def add(row: tuple[str, str, str, str]) -> None:
+        """Keep a row and show it at once: a run stopped at its time limit still reports what it finished."""
+        rows.append(row)
+        print("[gpu_check] | " + " | ".join(row) + f" |  ({time.monotonic() - started:.0f} s)", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
     def run(cfg: dict[str, Any]) -> dict[str, Any]:
         result = launch(__file__, cfg, timeout=300)
         if not ok(result):
@@ -115,15 +128,15 @@ def main() -> None:
             piped = run(_config(name, one, args.quick, 2, backend, parallel, exact=True, subnets=subnets))
             if ok(base) and ok(piped):
                 same, detail = _same_weights(base, piped)
-                rows.append((label, name, "bitwise" if same else "DIFFERS", detail))
+                add((label, name, "bitwise" if same else "DIFFERS", detail))
             else:
-                rows.append((label, name, "FAILED", base.get("error", piped.get("error", ""))[:80]))
+                add((label, name, "FAILED", base.get("error", piped.get("error", ""))[:80]))
 
     exact_rows("exact gloo (2 processes, one device)", "gloo", [one, one])
     if gpus >= 2:
         exact_rows("exact nccl (2 GPUs)", "nccl", ["cuda:0", "cuda:1"])
     else:
-        rows.append(("exact nccl (2 GPUs)", "-", "skipped", f"{gpus} GPU(s) here"))
+        add(("exact nccl (2 GPUs)", "-", "skipped", f"{gpus} GPU(s) here"))
     for name in EXACT_SPACES[:1]:
         plain = run(_config(name, one, args.quick, 2, "gloo", [one, one], exact=True, subnets=32))
         offloaded = run(_config(name, one, args.quick, 2, "gloo", [one, one], exact=True, offload=True, subnets=32))
@@ -133,28 +146,25 @@ def main() -> None:
             hits, misses = m.get("offload/prefetch_hits_stage0", 0), m.get("offload/prefetch_misses_stage0", 0)
             peak = m.get("offload/peak_device_bytes_stage0", 0) / max(m.get("offload/partition_bytes_stage0", 1), 1)
             hit_rate = f"{hits / (hits + misses):.0%}" if hits + misses else "n/a (no copies)"
-            rows.append(("offload (side stream)", name, "bitwise" if same else "DIFFERS",
+            add(("offload (side stream)", name, "bitwise" if same else "DIFFERS",
                          f"{detail}; prefetch hits {hit_rate}, stall "
                          f"{m.get('offload/stall_seconds_stage0', 0):.2f} s, peak {peak:.0%} of partition"))
         else:
-            rows.append(("offload (side stream)", name, "FAILED", offloaded.get("error", plain.get("error", ""))[:80]))
+            add(("offload (side stream)", name, "FAILED", offloaded.get("error", plain.get("error", ""))[:80]))
     two = ("nccl", ["cuda:0", "cuda:1"], "2 GPUs, nccl") if gpus >= 2 else ("gloo", [one, one], "one device")
     for name in args.spaces:
         base = run(_config(name, one, args.quick))
         piped = run(_config(name, one, args.quick, 2, two[0], two[1]))
         if ok(base) and ok(piped):
-            rows.append((f"speed ({two[2]})", name, f"{piped['subnets_per_s'] / base['subnets_per_s']:.2f}x",
+            add((f"speed ({two[2]})", name, f"{piped['subnets_per_s'] / base['subnets_per_s']:.2f}x",
                          f"{base['subnets_per_s']:.1f} -> {piped['subnets_per_s']:.1f} subnets/s"))
         else:
-            rows.append((f"speed ({two[2]})", name, "FAILED", piped.get("error", base.get("error", ""))[:80]))
+            add((f"speed ({two[2]})", name, "FAILED", piped.get("error", base.get("error", ""))[:80]))
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"\ngpu_check on {name} ({gpus} GPU(s)), torch {torch.__version__}, {time.monotonic() - started:.0f} s\n")
     print("| check | space | result | detail |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
