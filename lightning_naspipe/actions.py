@@ -1,0 +1,111 @@
+"""Pipeline actions and per-stage schedules as plain data (see :mod:`.schedule` for the rules).
+
+:class:`Action` is one unit of a stage's work (``F``/``B`` of a chunk, ``U`` of a subnet),
+:class:`Schedule` the per-stage orders with their simulated ticks; :func:`validated` checks and
+freezes a window's resources, as every function over them needs.
+"""
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+__all__ = ["BACKWARD", "FORWARD", "UPDATE", "Action", "CostFn", "DeadlockError", "Resources", "Schedule",
+           "ScheduleError", "check_int", "validated"]
+
+FORWARD = "F"
+BACKWARD = "B"
+UPDATE = "U"
+
+Resources = Sequence[Sequence[AbstractSet[Hashable]]]
+CostFn = Callable[[int, "Action"], int]
+
+
+class ScheduleError(AssertionError):
+    """A schedule breaks a NASPipe rule; the message names the rule."""
+
+
+class DeadlockError(ScheduleError):
+    """Replaying the per-stage orders without a global clock gets stuck."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of work on a stage: ``F``/``B`` of a chunk, or ``U`` of a subnet."""
+
+    kind: str
+    subnet: int
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND_NAMES:
+            raise ValueError(f"Action kind must be 'F', 'B' or 'U', got {self.kind!r}")
+        if self.subnet < 0 or self.chunk < 0 or (self.kind == UPDATE and self.chunk != 0):
+            raise ValueError(f"invalid Action {self.kind}{self.subnet}.{self.chunk}")
+
+    def __str__(self) -> str:
+        return f"U{self.subnet}" if self.kind == UPDATE else f"{self.kind}{self.subnet}.{self.chunk}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage execution orders plus the simulated start/finish tick of each action."""
+
+    stages: tuple[tuple[Action, ...], ...]
+    start: Mapping[tuple[int, Action], int]
+    finish: Mapping[tuple[int, Action], int]
+
+    @property
+    def makespan(self) -> int:
+        """Tick at which the last action of the window finishes."""
+        return max(self.finish.values(), default=0)
+
+    def sends(self, stage: int, direction: str) -> tuple[tuple[int, int], ...]:
+        """Return ``(subnet, chunk)`` of each message ``stage`` sends, in send order.
+
+        Args:
+            stage: Sending stage.
+            direction: ``"forward"`` (activations to ``stage+1``, one per F) or
+                ``"backward"`` (gradients to ``stage-1``, one per B).
+        """
+        if not 0 <= stage < len(self.stages):
+            raise ValueError(f"stage {stage} out of range 0..{len(self.stages) - 1}")
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+        kind, peer = (FORWARD, stage + 1) if direction == "forward" else (BACKWARD, stage - 1)
+        if not 0 <= peer < len(self.stages):
+            return ()
+        return tuple((a.subnet, a.chunk) for a in self.stages[stage] if a.kind == kind)
+
+    def table(self) -> str:
+        """Render an ASCII timeline: one row per stage, one column per tick."""
+        ticks = self.makespan
+        rows = [["."] * ticks for _ in self.stages]
+        for (s, a), begin in self.start.items():
+            end = self.finish[(s, a)]
+            rows[s][begin : end] = [str(a)] + ["-"] * (end - begin - 1)
+        width = max([len(str(max(ticks - 1, 0)))] + [len(c) for row in rows for c in row])
+        head = "tick | " + " ".join(str(t).rjust(width) for t in range(ticks))
+        body = [f"s{s:<3} | " + " ".join(c.ljust(width) for c in row) for s, row in enumerate(rows)]
+        return "\n".join(line.rstrip() for line in [head, *body])
+_KIND_NAMES = (FORWARD, BACKWARD, UPDATE)
+
+
+def check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def validated(resources: Resources, num_chunks: int) -> tuple[tuple[frozenset[Hashable], ...], ...]:
+    """Check the inputs and freeze them; raise ``ValueError``/``TypeError`` naming the problem."""
+    check_int("num_chunks", num_chunks, 1)
+    if len(resources) == 0:
+        raise ValueError("resources is empty: a window needs at least one subnet")
+    if len(resources[0]) == 0:
+        raise ValueError("resources[0] has zero stages: a pipeline needs at least one stage")
+    for i, per_stage in enumerate(resources):
+        if len(per_stage) != len(resources[0]):
+            raise ValueError(f"ragged resources: subnet {i} has {len(per_stage)} stages, subnet 0 {len(resources[0])}")
+        for s, keys in enumerate(per_stage):
+            if not isinstance(keys, AbstractSet):
+                raise TypeError(f"resources[{i}][{s}] must be a set of keys, got {type(keys).__name__}")
+    return tuple(tuple(frozenset(keys) for keys in per_stage) for per_stage in resources)

@@ -1,0 +1,136 @@
+"""The rules a CSP schedule must keep, checked independently of :func:`.schedule.build_schedule`.
+
+:func:`check_schedule` recomputes conflicts pairwise and checks a schedule's orders and ticks;
+:func:`replay` walks the per-stage orders as independent processes would (FIFO links, no clock)
+and finds deadlocks and messages no stage receives.
+"""
+
+from collections import Counter, deque
+
+from lightning_naspipe.actions import (
+    BACKWARD,
+    FORWARD,
+    UPDATE,
+    Action,
+    DeadlockError,
+    Resources,
+    Schedule,
+    ScheduleError,
+    validated,
+)
+
+__all__ = ["check_schedule", "replay"]
+
+
+def _require(ok: bool, rule: str, detail: str, *args: object) -> None:
+    if not ok:  # format lazily: the checks run per action and per dependency
+        raise ScheduleError(f"{rule} violated: " + detail.format(*args))
+
+
+def _deps(s: int, a: Action, num_stages: int, chunks: int) -> list[tuple[int, Action, str]]:
+    """Non-CSP dependencies of ``a`` on stage ``s`` as ``(stage, action, rule)``."""
+    i, c = a.subnet, a.chunk
+    if a.kind == FORWARD:
+        deps = [(s - 1, Action(FORWARD, i, c), "forward dependency")] if s > 0 else []
+        return deps + ([(s, Action(FORWARD, i, c - 1), "chunk order")] if c > 0 else [])
+    if a.kind == BACKWARD:
+        deps = [(s, Action(FORWARD, i, c), "forward-before-backward")]
+        deps += [(s + 1, Action(BACKWARD, i, c), "backward dependency")] if s < num_stages - 1 else []
+        return deps + ([(s, Action(BACKWARD, i, c - 1), "chunk order")] if c > 0 else [])
+    deps = [(s, Action(BACKWARD, i, k), "backward-before-update") for k in range(chunks)]
+    return deps + ([(s, Action(UPDATE, i - 1), "update order")] if i > 0 else [])
+
+
+def check_schedule(schedule: Schedule, resources: Resources, num_chunks: int) -> None:
+    """Raise :class:`ScheduleError` (an ``AssertionError``) naming the first broken rule.
+
+    Checked first from the per-stage orders alone (exactly-once, chunk order, forward
+    before backward, update order, CSP), then against the ticks (one action at a time
+    in list order, every dependency incl. cross-stage, CSP). Conflicts are recomputed
+    pairwise, independently of :func:`build_schedule`.
+    """
+    res = validated(resources, num_chunks)
+    n, num_stages, chunks = len(res), len(res[0]), num_chunks
+    got = len(schedule.stages)
+    _require(got == num_stages, "stage count", "schedule has {} stages, resources {}", got, num_stages)
+    expected = {Action(k, i, c) for i in range(n) for k in (FORWARD, BACKWARD) for c in range(chunks)}
+    expected |= {Action(UPDATE, i) for i in range(n)}
+    pairs = [[(k, i) for i in range(n) for k in range(i) if not res[k][s].isdisjoint(res[i][s])] for s in range(got)]
+    for s, order in enumerate(schedule.stages):
+        pos: dict[Action, int] = {}
+        for p, a in enumerate(order):
+            _require(a not in pos, "exactly-once", "{} appears twice on stage {}", a, s)
+            pos[a] = p
+        missing, extra = sorted(expected - pos.keys()), sorted(pos.keys() - expected)
+        _require(not missing, "exactly-once", "stage {} misses {}", s, ", ".join(map(str, missing)))
+        _require(not extra, "exactly-once", "stage {} has unexpected {}", s, ", ".join(map(str, extra)))
+        for a in order:
+            for s_dep, dep, rule in _deps(s, a, num_stages, chunks):
+                _require(s_dep != s or pos[dep] < pos[a], rule, "stage {} runs {} before {}", s, a, dep)
+        first = [min(pos[Action(FORWARD, i, c)] for c in range(chunks)) for i in range(n)]
+        for k, i in pairs[s]:
+            _require(pos[Action(UPDATE, k)] < first[i], "CSP", "stage {} runs F{} before conflicting U{}", s, i, k)
+    start, finish = schedule.start, schedule.finish
+    _require(len(start) == len(finish) == num_stages * len(expected), "timing", "start/finish have unknown keys")
+    for s, order in enumerate(schedule.stages):
+        free_at = 0
+        for a in order:
+            _require((s, a) in start and (s, a) in finish, "timing", "no ticks for {} on stage {}", a, s)
+            _require(finish[(s, a)] > start[(s, a)] >= free_at, "one-action-per-tick", "{}@stage {} overlaps", a, s)
+            free_at = finish[(s, a)]
+            for s_dep, dep, rule in _deps(s, a, num_stages, chunks):
+                ok = start[(s, a)] >= finish[(s_dep, dep)]
+                _require(ok, rule, "{}@stage {} starts before {}@stage {} ends", a, s, dep, s_dep)
+        first = [min(start[(s, Action(FORWARD, i, c))] for c in range(chunks)) for i in range(n)]
+        for k, i in pairs[s]:
+            ok = finish[(s, Action(UPDATE, k))] <= first[i]
+            _require(ok, "CSP", "F{}@stage {} starts before conflicting U{} ends", i, s, k)
+
+
+def _receive(inbox: deque[tuple[int, int]], early: Counter[tuple[int, int]], want: tuple[int, int]) -> bool:
+    """Take ``want`` from the buffer or from the FIFO link, buffering what arrives first."""
+    if early[want] > 0:
+        early[want] -= 1
+        return True
+    while inbox:
+        msg = inbox.popleft()
+        if msg == want:
+            return True
+        early[msg] += 1
+    return False
+
+
+def replay(schedule: Schedule, num_stages: int) -> None:
+    """Run the per-stage orders as independent processes would, with no global clock.
+
+    Each stage walks its list; an F on ``s > 0`` (a B on ``s < S-1``) blocks until its
+    activation (gradient) has been sent. Links are FIFO, sends never block, early
+    messages are buffered. Raises :class:`DeadlockError` if no stage can progress
+    before all finish, :class:`ScheduleError` if a sent message is never consumed.
+    """
+    if num_stages != len(schedule.stages):
+        raise ValueError(f"num_stages={num_stages} but the schedule has {len(schedule.stages)} stages")
+    # inbox[s][0]: activations from s-1; inbox[s][1]: gradients from s+1.
+    inbox = [(deque[tuple[int, int]](), deque[tuple[int, int]]()) for _ in range(num_stages)]
+    early = [(Counter[tuple[int, int]](), Counter[tuple[int, int]]()) for _ in range(num_stages)]
+    pc = [0] * num_stages
+    while any(pc[s] < len(order) for s, order in enumerate(schedule.stages)):
+        progressed = False
+        for s, order in enumerate(schedule.stages):
+            while pc[s] < len(order):
+                a = order[pc[s]]
+                msg, link = (a.subnet, a.chunk), int(a.kind == BACKWARD)
+                needs_msg = (a.kind == FORWARD and s > 0) or (a.kind == BACKWARD and s < num_stages - 1)
+                if needs_msg and not _receive(inbox[s][link], early[s][link], msg):
+                    break
+                peer = s + 1 if a.kind == FORWARD else s - 1
+                if a.kind != UPDATE and 0 <= peer < num_stages:
+                    inbox[peer][link].append(msg)
+                pc[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(f"stage {s} at {o[pc[s]]}" for s, o in enumerate(schedule.stages) if pc[s] < len(o))
+            raise DeadlockError(f"replay deadlocked: {stuck}")
+    for s in range(num_stages):
+        left = [*inbox[s][0], *inbox[s][1], *(+early[s][0]).elements(), *(+early[s][1]).elements()]
+        _require(not left, "message matching", "stage {} never received {}", s, left)
