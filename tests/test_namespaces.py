@@ -1,7 +1,7 @@
 """Both Lightning namespaces, ``lightning.pytorch`` and ``pytorch_lightning``, in one process.
 
-The multi-process halves (2 stages under ``lightning.pytorch``, a checkpoint crossing namespaces
-on 2 stages) are in test_pipeline.py.
+The multi-process halves (2 stages under ``lightning.pytorch``, their checkpoint resumed under
+``pytorch_lightning`` on 1 stage) are in test_pipeline.py.
 """
 
 from __future__ import annotations
