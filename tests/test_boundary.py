@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.boundary import backward_through, cut, grad_targets, leaf_grads
+from lightning_naspipe.boundary import backward_through, cut, grad_targets, leaf_grads, map_tensors, tensors_in
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.partition import tied_cuts
 from inprocess import train_pipelined
@@ -182,6 +182,25 @@ def test_cut_makes_one_leaf_per_position_with_the_same_flags() -> None:
     assert value[0] is not value[1] and value[0].is_leaf and value[0].requires_grad
     assert value[2] == 5 and value[3]["n"] is None and not value[3]["i"].requires_grad
     assert grad_targets(value) == [value[0], value[1]]
+
+
+def test_tensor_walks_match_pytree_on_every_structure() -> None:
+    """map_tensors and tensors_in take a shortcut for plain tuples and lists of tensors: the same
+    tensors in the same order, the same structure, as torch's pytree walk gives, shortcut or not."""
+    import collections
+
+    import torch.utils._pytree as pytree
+
+    a, b = torch.randn(2, requires_grad=True), torch.randn(3)
+    pair = collections.namedtuple("pair", "x y")
+    for value in [(a, b), [a, None, b], (a, a), (), [None], ((a,), b), [a, 1.5], {"x": a, "y": [b]}, pair(a, b)]:
+        expected = [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+        found = tensors_in(value)
+        assert len(found) == len(expected) and all(x is y for x, y in zip(found, expected)), value
+        doubled = map_tensors(lambda t: t * 2, value)
+        reference = pytree.tree_map(lambda leaf: leaf * 2 if isinstance(leaf, torch.Tensor) else leaf, value)
+        assert type(doubled) is type(reference) and pytree.tree_structure(doubled) == pytree.tree_structure(reference)
+        assert all(torch.equal(x, y) for x, y in zip(tensors_in(doubled), tensors_in(reference)))
 
 
 def test_backward_through_a_boundary_sends_none_not_zeros() -> None:
