@@ -15,6 +15,7 @@ __all__ = ["BACKWARD", "FORWARD", "UPDATE", "Action", "CostFn", "DeadlockError",
 FORWARD = "F"
 BACKWARD = "B"
 UPDATE = "U"
+_KIND_NAMES = (FORWARD, BACKWARD, UPDATE)
 
 Resources = Sequence[Sequence[AbstractSet[Hashable]]]
 CostFn = Callable[[int, "Action"], int]
@@ -87,10 +88,10 @@ class Schedule:
         head = "tick | " + " ".join(str(t).rjust(width) for t in range(ticks))
         body = [f"s{s:<3} | " + " ".join(c.ljust(width) for c in row) for s, row in enumerate(rows)]
         return "\n".join(line.rstrip() for line in [head, *body])
-_KIND_NAMES = (FORWARD, BACKWARD, UPDATE)
 
 
 def check_int(name: str, value: object, low: int) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 

@@ -54,7 +54,7 @@ def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
     """``value`` with ``fn`` applied to every tensor in it (tuples, lists, dicts, named tuples)."""
     if isinstance(value, Tensor):
         return fn(value)
-    if _flat(value):  # a cell's node states: the same result as the pytree walk, at a fraction of its cost
+    if flat_tensors(value):  # a cell's node states: the same result as the pytree walk, at a fraction of its cost
         return type(value)(fn(v) if v is not None else v for v in value)
     return pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, Tensor) else leaf, value)
 
@@ -63,12 +63,12 @@ def tensors_in(value: Any) -> list[Tensor]:
     """Every tensor in ``value``, in flattening order (a tensor that appears twice, twice)."""
     if isinstance(value, Tensor):
         return [value]
-    if _flat(value):
+    if flat_tensors(value):
         return [v for v in value if v is not None]
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Tensor)]
 
 
-def _flat(value: Any) -> bool:
+def flat_tensors(value: Any) -> bool:
     """Whether ``value`` is a plain tuple or list of tensors and ``None``s (not a subclass: named tuples
     and other registered nodes take the pytree walk)."""
     return type(value) in (tuple, list) and all(v is None or isinstance(v, Tensor) for v in value)

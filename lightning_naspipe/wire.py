@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lightning_naspipe.boundary import CHANNELS_LAST, laid_out, layout_of
+from lightning_naspipe.boundary import CHANNELS_LAST, flat_tensors, laid_out, layout_of
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -59,7 +59,7 @@ def flatten(value: Any) -> tuple[list[Tensor | None], int, bytes]:
     """The tensor entries of a boundary value, its kind, and (kind STRUCTURE) its pickled structure."""
     if isinstance(value, Tensor):
         return [value], TENSOR, b""
-    if type(value) is tuple and all(v is None or isinstance(v, Tensor) for v in value):
+    if type(value) is tuple and flat_tensors(value):
         return list(value), TUPLE, b""
     leaves, spec = pytree.tree_flatten(value)
     tensors: list[Tensor | None] = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
