@@ -9,13 +9,16 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-__all__ = ["BACKWARD", "FORWARD", "UPDATE", "Action", "CostFn", "DeadlockError", "Resources", "Schedule",
+__all__ = ["BACKWARD", "FORWARD", "NORMS", "UPDATE", "Action", "CostFn", "DeadlockError", "Resources", "Schedule",
            "ScheduleError", "check_int", "validated"]
 
 FORWARD = "F"
 BACKWARD = "B"
 UPDATE = "U"
 _KIND_NAMES = (FORWARD, BACKWARD, UPDATE)
+#: The chunk slot of a norm message's ``(subnet, chunk)`` key: ``U(i)`` of a schedule with ``norms`` sends
+#: ``(i, NORMS)`` up (to ``s-1``) and down (to ``s+1``), see :mod:`.grad_norm`. No chunk is negative.
+NORMS = -1
 
 Resources = Sequence[Sequence[AbstractSet[Hashable]]]
 CostFn = Callable[[int, "Action"], int]
@@ -49,11 +52,16 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage execution orders plus the simulated start/finish tick of each action."""
+    """Per-stage execution orders plus the simulated start/finish tick of each action.
+
+    With ``norms`` (global-norm gradient clipping, see :mod:`.grad_norm`) every stage's ``U(i)`` waits
+    for ``B(i, *)`` and ``U(i-1)`` on every stage and exchanges one norm message with each neighbour.
+    """
 
     stages: tuple[tuple[Action, ...], ...]
     start: Mapping[tuple[int, Action], int]
     finish: Mapping[tuple[int, Action], int]
+    norms: bool = False
 
     @property
     def makespan(self) -> int:
@@ -66,7 +74,8 @@ class Schedule:
         Args:
             stage: Sending stage.
             direction: ``"forward"`` (activations to ``stage+1``, one per F) or
-                ``"backward"`` (gradients to ``stage-1``, one per B).
+                ``"backward"`` (gradients to ``stage-1``, one per B). With :attr:`norms`, each U also
+                sends ``(subnet, NORMS)`` both ways.
         """
         if not 0 <= stage < len(self.stages):
             raise ValueError(f"stage {stage} out of range 0..{len(self.stages) - 1}")
@@ -75,7 +84,10 @@ class Schedule:
         kind, peer = (FORWARD, stage + 1) if direction == "forward" else (BACKWARD, stage - 1)
         if not 0 <= peer < len(self.stages):
             return ()
-        return tuple((a.subnet, a.chunk) for a in self.stages[stage] if a.kind == kind)
+        if not self.norms:
+            return tuple((a.subnet, a.chunk) for a in self.stages[stage] if a.kind == kind)
+        return tuple((a.subnet, NORMS if a.kind == UPDATE else a.chunk) for a in self.stages[stage]
+                     if a.kind in (kind, UPDATE))
 
     def table(self) -> str:
         """Render an ASCII timeline: one row per stage, one column per tick."""

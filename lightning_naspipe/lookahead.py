@@ -54,7 +54,7 @@ class StepPlan:
 
 def plan_step(resources: Sequence[Sequence[AbstractSet[Hashable]]], window_size: int, chunks: int,
               done: AbstractSet[tuple[int, Action]] = frozenset(),
-              may_run_early: Callable[[int, int], bool] = lambda subnet, stage: True) -> StepPlan:
+              may_run_early: Callable[[int, int], bool] = lambda subnet, stage: True, norms: bool = False) -> StepPlan:
     """Plan one step: this window's actions and the next window's forwards that fit its drain.
 
     Args:
@@ -65,10 +65,11 @@ def plan_step(resources: Sequence[Sequence[AbstractSet[Hashable]]], window_size:
         done: this window's actions that ran in the step before (its ``carried``).
         may_run_early: ``(subnet, stage)``: whether that next-window subnet's forward may run on that
             stage before its window (false where its resources there hold buffers).
+        norms: updates exchange gradient norms (see :func:`.schedule.build_schedule`).
     """
     if not 0 < window_size <= len(resources):
         raise ValueError(f"window_size must be in 1..{len(resources)}, got {window_size}")
-    joint = build_schedule(resources, chunks, done=done)
+    joint = build_schedule(resources, chunks, done=done, norms=norms)
     last = len(joint.stages) - 1
     cut = max(end for (_, action), end in joint.finish.items() if action.subnet < window_size)
     early: set[tuple[int, Action]] = set()
@@ -92,4 +93,4 @@ def plan_step(resources: Sequence[Sequence[AbstractSet[Hashable]]], window_size:
     start = {key: tick for key, tick in joint.start.items() if runs(*key)}
     finish = {key: tick for key, tick in joint.finish.items() if runs(*key)}
     carried = frozenset((s, Action(FORWARD, a.subnet - window_size, a.chunk)) for s, a in early)
-    return StepPlan(Schedule(stages, MappingProxyType(start), MappingProxyType(finish)), carried)
+    return StepPlan(Schedule(stages, MappingProxyType(start), MappingProxyType(finish), norms), carried)

@@ -14,6 +14,9 @@ run bitwise-identical to the sequential one:
   on ``s``: gradients accumulate in the same chunk order, so float sums match.
 * ``U(i)`` needs every ``B(i, *)`` and ``U(i-1)`` on ``s`` (subnet order keeps
   per-step LR schedulers exact).
+* With ``norms`` (gradient clipping by a global norm, see :mod:`.grad_norm`): ``U(i)`` also
+  needs every ``B(i, *)`` and ``U(i-1)`` on every stage, since every stage's update scales its
+  gradients by a coefficient computed from every stage's gradients of ``i``.
 
 Time is discrete: an action occupies ticks ``[start, finish)`` and dependents may
 start at ``finish`` (plus ``latency`` across stages). A stage runs one action at a
@@ -74,7 +77,7 @@ def _csp_gates(res: Sequence[Sequence[frozenset[Hashable]]]) -> list[list[int]]:
 
 
 def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = None, *, latency: int = 0,
-                   done: AbstractSet[tuple[int, Action]] = frozenset()) -> Schedule:
+                   done: AbstractSet[tuple[int, Action]] = frozenset(), norms: bool = False) -> Schedule:
     """Simulate the CSP pipeline for one window and return per-stage action orders.
 
     Args:
@@ -88,6 +91,8 @@ def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = 
         done: ``(stage, action)`` pairs that already ran (forwards looked ahead in an earlier window,
             see :mod:`.lookahead`): they count as finished before tick 0 and are not in the result.
             Every dependency of a done action must be done too.
+        norms: updates exchange gradient norms (global-norm clipping): every stage's ``U(i)`` waits for
+            ``B(i, *)`` and ``U(i-1)`` on every stage, so all stages' ``U(i)`` run together.
 
     Returns:
         The deterministic list schedule (greedy: a stage never idles while ready).
@@ -103,10 +108,14 @@ def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = 
         for i, k in enumerate(row):
             if k >= 0:
                 waiters[s][k].append(i)
+    # The norm exchange makes U(i) a step of all stages together: it waits for every stage to be ready
+    # for it (B(i, last) on stage 0 comes after every other stage's B(i, *)). Then no stage runs, before
+    # its U(i), anything that needs a message another stage sends after its own U(i): replay checks it.
+    together = norms and num_stages > 1
     # left[s][rank][i][c]: dependencies of that action not yet satisfied.
     left = [
         [
-            [[1 + (i > 0)] for i in range(n)],
+            [[1 + (i > 0) + together * ((s > 0) + (i > 0) * last)] for i in range(n)],
             [[1 + (s < last) + (c > 0) for c in range(chunks)] for i in range(n)],
             [[(s > 0) + (c > 0) + (c == 0 and gates[s][i] >= 0) for c in range(chunks)] for i in range(n)],
         ]
@@ -132,9 +141,12 @@ def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = 
             return found + [(0, (s, _B, i, c))]
         if rank == _B:  # feeds the previous stage, then the next chunk or the update
             found = [(latency, (s - 1, _B, i, c))] if s > 0 else []
+            if together and s == 0 and c + 1 == chunks:
+                found += [(latency, (t, _U, i, 0)) for t in range(1, num_stages)]
             return found + [(0, (s, _B, i, c + 1) if c + 1 < chunks else (s, _U, i, 0))]
-        # An update feeds the next update and the forwards CSP-gated on it.
-        return [(0, (s, _U, i + 1, 0))] * (i + 1 < n) + [(0, (s, _F, j, 0)) for j in waiters[s][i]]
+        # An update feeds the next update (on every stage, with norms) and the forwards CSP-gated on it.
+        found = [(0 if t == s else latency, (t, _U, i + 1, 0)) for t in (range(num_stages) if together else (s,))]
+        return found * (i + 1 < n) + [(0, (s, _F, j, 0)) for j in waiters[s][i]]
 
     if done:
         _retire(done, ready, left, acts, dependents)
@@ -165,7 +177,7 @@ def build_schedule(resources: Resources, num_chunks: int, cost: CostFn | None = 
                 notify(ends + delay, target)
     if len(start) + len(done) != num_stages * n * (2 * chunks + 1):  # unreachable: the graph is acyclic
         raise ScheduleError("internal: simulation ended with unscheduled actions")
-    return Schedule(tuple(tuple(o) for o in orders), MappingProxyType(start), MappingProxyType(finish))
+    return Schedule(tuple(tuple(o) for o in orders), MappingProxyType(start), MappingProxyType(finish), norms)
 
 
 def _retire(done: AbstractSet[tuple[int, Action]], ready: list[list[tuple[int, int, int]]],

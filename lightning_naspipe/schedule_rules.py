@@ -10,6 +10,7 @@ from collections import Counter, deque
 from lightning_naspipe.actions import (
     BACKWARD,
     FORWARD,
+    NORMS,
     UPDATE,
     Action,
     DeadlockError,
@@ -27,8 +28,9 @@ def _require(ok: bool, rule: str, detail: str, *args: object) -> None:
         raise ScheduleError(f"{rule} violated: " + detail.format(*args))
 
 
-def _deps(s: int, a: Action, num_stages: int, chunks: int) -> list[tuple[int, Action, str]]:
-    """Non-CSP dependencies of ``a`` on stage ``s`` as ``(stage, action, rule)``."""
+def _deps(s: int, a: Action, num_stages: int, chunks: int, norms: bool = False) -> list[tuple[int, Action, str]]:
+    """Non-CSP dependencies of ``a`` on stage ``s`` as ``(stage, action, rule)``; with ``norms``, an update's
+    on every stage."""
     i, c = a.subnet, a.chunk
     if a.kind == FORWARD:
         deps = [(s - 1, Action(FORWARD, i, c), "forward dependency")] if s > 0 else []
@@ -38,7 +40,12 @@ def _deps(s: int, a: Action, num_stages: int, chunks: int) -> list[tuple[int, Ac
         deps += [(s + 1, Action(BACKWARD, i, c), "backward dependency")] if s < num_stages - 1 else []
         return deps + ([(s, Action(BACKWARD, i, c - 1), "chunk order")] if c > 0 else [])
     deps = [(s, Action(BACKWARD, i, k), "backward-before-update") for k in range(chunks)]
-    return deps + ([(s, Action(UPDATE, i - 1), "update order")] if i > 0 else [])
+    deps += [(s, Action(UPDATE, i - 1), "update order")] if i > 0 else []
+    if norms:  # the global norm needs every stage's gradients, and the stages update in step
+        others = [t for t in range(num_stages) if t != s]
+        deps += [(t, Action(BACKWARD, i, k), "norm exchange") for t in others for k in range(chunks)]
+        deps += [(t, Action(UPDATE, i - 1), "norm exchange") for t in others if i > 0]
+    return deps
 
 
 def check_schedule(schedule: Schedule, resources: Resources, num_chunks: int) -> None:
@@ -46,8 +53,9 @@ def check_schedule(schedule: Schedule, resources: Resources, num_chunks: int) ->
 
     Checked first from the per-stage orders alone (exactly-once, chunk order, forward
     before backward, update order, CSP), then against the ticks (one action at a time
-    in list order, every dependency incl. cross-stage, CSP). Conflicts are recomputed
-    pairwise, independently of :func:`build_schedule`.
+    in list order, every dependency incl. cross-stage, CSP; with ``schedule.norms``, each
+    update after every stage's backwards of its subnet and previous update). Conflicts are
+    recomputed pairwise, independently of :func:`build_schedule`.
     """
     res = validated(resources, num_chunks)
     n, num_stages, chunks = len(res), len(res[0]), num_chunks
@@ -78,7 +86,7 @@ def check_schedule(schedule: Schedule, resources: Resources, num_chunks: int) ->
             _require((s, a) in start and (s, a) in finish, "timing", "no ticks for {} on stage {}", a, s)
             _require(finish[(s, a)] > start[(s, a)] >= free_at, "one-action-per-tick", "{}@stage {} overlaps", a, s)
             free_at = finish[(s, a)]
-            for s_dep, dep, rule in _deps(s, a, num_stages, chunks):
+            for s_dep, dep, rule in _deps(s, a, num_stages, chunks, schedule.norms):
                 ok = start[(s, a)] >= finish[(s_dep, dep)]
                 _require(ok, rule, "{}@stage {} starts before {}@stage {} ends", a, s, dep, s_dep)
         first = [min(start[(s, Action(FORWARD, i, c))] for c in range(chunks)) for i in range(n)]
@@ -105,8 +113,11 @@ def replay(schedule: Schedule, num_stages: int) -> None:
 
     Each stage walks its list; an F on ``s > 0`` (a B on ``s < S-1``) blocks until its
     activation (gradient) has been sent. Links are FIFO, sends never block, early
-    messages are buffered. Raises :class:`DeadlockError` if no stage can progress
-    before all finish, :class:`ScheduleError` if a sent message is never consumed.
+    messages are buffered. With ``schedule.norms`` a U runs the norm exchange of
+    :class:`.grad_norm.NormExchange` in two halves, the stage blocked in between: up
+    (take the norms from ``s+1``, send them with its own to ``s-1``), then down (take the
+    verdict from ``s-1``, pass it to ``s+1``). Raises :class:`DeadlockError` if no stage can
+    progress before all finish, :class:`ScheduleError` if a sent message is never consumed.
     """
     if num_stages != len(schedule.stages):
         raise ValueError(f"num_stages={num_stages} but the schedule has {len(schedule.stages)} stages")
@@ -114,11 +125,27 @@ def replay(schedule: Schedule, num_stages: int) -> None:
     inbox = [(deque[tuple[int, int]](), deque[tuple[int, int]]()) for _ in range(num_stages)]
     early = [(Counter[tuple[int, int]](), Counter[tuple[int, int]]()) for _ in range(num_stages)]
     pc = [0] * num_stages
+    sent_up = [False] * num_stages  # in the middle of a U: its up half is done
+    last = num_stages - 1
     while any(pc[s] < len(order) for s, order in enumerate(schedule.stages)):
         progressed = False
         for s, order in enumerate(schedule.stages):
             while pc[s] < len(order):
                 a = order[pc[s]]
+                if a.kind == UPDATE and schedule.norms:
+                    msg = (a.subnet, NORMS)
+                    if not sent_up[s]:
+                        if s < last and not _receive(inbox[s][1], early[s][1], msg):
+                            break
+                        if s > 0:
+                            inbox[s - 1][1].append(msg)
+                        sent_up[s] = progressed = True
+                    if s > 0 and not _receive(inbox[s][0], early[s][0], msg):
+                        break
+                    if s < last:
+                        inbox[s + 1][0].append(msg)
+                    sent_up[s], pc[s], progressed = False, pc[s] + 1, True
+                    continue
                 msg, link = (a.subnet, a.chunk), int(a.kind == BACKWARD)
                 needs_msg = (a.kind == FORWARD and s > 0) or (a.kind == BACKWARD and s < num_stages - 1)
                 if needs_msg and not _receive(inbox[s][link], early[s][link], msg):

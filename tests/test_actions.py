@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_naspipe.actions import BACKWARD, FORWARD, UPDATE, Action
+from lightning_naspipe.actions import BACKWARD, FORWARD, NORMS, UPDATE, Action
 from lightning_naspipe.schedule import build_schedule
 from test_schedule import B, F, Res, U
 
@@ -29,6 +29,18 @@ def test_sends_follow_stage_order() -> None:
         sched.sends(2, "forward")
     with pytest.raises(ValueError):
         sched.sends(0, "sideways")
+
+
+def test_sends_with_norms_carry_one_norm_message_per_update_both_ways() -> None:
+    res: Res = [[frozenset({"a"}) for _ in range(3)] for _ in range(2)]
+    sched = build_schedule(res, 1, norms=True)
+    for s in range(3):
+        for direction, kind in (("forward", FORWARD), ("backward", BACKWARD)):
+            has_peer = 0 <= s + (1 if direction == "forward" else -1) < 3
+            expected = tuple((a.subnet, NORMS if a.kind == UPDATE else a.chunk)
+                             for a in sched.stages[s] if a.kind in (kind, UPDATE))
+            assert sched.sends(s, direction) == (expected if has_peer else ())
+    assert (0, NORMS) in sched.sends(1, "backward") and (1, NORMS) in sched.sends(1, "forward")
 
 
 def test_table_renders_every_action() -> None:

@@ -15,10 +15,10 @@ Res = list[list[frozenset[Hashable]]]
 
 
 def roll(windows: Sequence[Res], chunks: int, buffers: frozenset[tuple[int, int]] = frozenset(),
-         ) -> tuple[Schedule, Res, list[StepPlan]]:
+         norms: bool = False) -> tuple[Schedule, Res, list[StepPlan]]:
     """Plan every window with the next one as lookahead, as the engine does, and join the steps into
     one schedule over the whole run (each step's ticks after the one before). ``buffers``: global
-    ``(subnet, stage)`` whose resources hold buffers."""
+    ``(subnet, stage)`` whose resources hold buffers; ``norms``: updates exchange gradient norms."""
     stages = len(windows[0][0])
     orders: list[list[Action]] = [[] for _ in range(stages)]
     start: dict[tuple[int, Action], int] = {}
@@ -28,7 +28,7 @@ def roll(windows: Sequence[Res], chunks: int, buffers: frozenset[tuple[int, int]
         upcoming = windows[w + 1] if w + 1 < len(windows) else []
         size = len(window)
         plan = plan_step(window + upcoming, size, chunks, done,
-                         lambda i, s, first=first: (first + i, s) not in buffers)
+                         lambda i, s, first=first: (first + i, s) not in buffers, norms)
         plans.append(plan)
         for s, order in enumerate(plan.schedule.stages):
             for a in order:
@@ -38,7 +38,7 @@ def roll(windows: Sequence[Res], chunks: int, buffers: frozenset[tuple[int, int]
                 finish[key] = offset + plan.schedule.finish[(s, a)]
         offset += plan.schedule.makespan
         done, first = plan.carried, first + size
-    whole = Schedule(tuple(map(tuple, orders)), MappingProxyType(start), MappingProxyType(finish))
+    whole = Schedule(tuple(map(tuple, orders)), MappingProxyType(start), MappingProxyType(finish), norms)
     return whole, [r for window in windows for r in window], plans
 
 
@@ -62,10 +62,13 @@ def runs(draw: st.DrawFn) -> tuple[list[Res], int, frozenset[tuple[int, int]]]:
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(runs())
-def test_property_rolled_steps_are_one_valid_schedule(run: tuple[list[Res], int, frozenset[tuple[int, int]]]) -> None:
+@given(runs(), st.booleans())
+def test_property_rolled_steps_are_one_valid_schedule(run: tuple[list[Res], int, frozenset[tuple[int, int]]],
+                                                      norms: bool) -> None:
+    """Also with the norm exchange of global-norm clipping: the next window's forwards that run in
+    this one's drain never wait on a stage that waits in an update for them."""
     windows, chunks, buffers = run
-    whole, res, plans = roll(windows, chunks, buffers)
+    whole, res, plans = roll(windows, chunks, buffers, norms)
     check_schedule(whole, res, chunks)  # every action once, every dependency and CSP, over the whole run
     replay(whole, len(res[0]))  # stage processes walking their rows cannot hang
     last = len(res[0]) - 1

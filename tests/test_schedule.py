@@ -42,7 +42,8 @@ def conflicts(res: Sequence[Sequence[AbstractSet[Hashable]]], s: int) -> list[tu
     return [(k, i) for i in range(len(res)) for k in range(i) if set(res[k][s]) & set(res[i][s])]
 
 
-def reference(res: Res, chunks: int, cost: Callable[[int, Action], int] | None = None) -> dict[tuple[int, Action], int]:
+def reference(res: Res, chunks: int, cost: Callable[[int, Action], int] | None = None,
+              norms: bool = False) -> dict[tuple[int, Action], int]:
     """Literal tick-by-tick reading of the rules: rescan every pending action every tick."""
     n, stages = len(res), len(res[0])
     cost = cost or (lambda s, a: 1)
@@ -72,7 +73,9 @@ def reference(res: Res, chunks: int, cost: Callable[[int, Action], int] | None =
                 and (s == stages - 1 or done(s + 1, B(i, c), t))
                 and (c == 0 or done(s, B(i, c - 1), t))
             )
-        return all(done(s, B(i, k), t) for k in range(chunks)) and (i == 0 or done(s, U(i - 1), t))
+        everywhere = range(stages) if norms else (s,)  # the norm exchange: every stage's backwards and updates
+        return all(done(r, B(i, k), t) for r in everywhere for k in range(chunks)) and (
+            i == 0 or all(done(r, U(i - 1), t) for r in everywhere))
 
     t = 0
     while any(todo):
@@ -138,6 +141,23 @@ def test_chunks_pipeline_across_stages() -> None:
     for s in range(2):
         bs = [a for a in sched.stages[s] if a.kind == BACKWARD]
         assert bs == [B(0, 0), B(0, 1)]
+
+
+def test_norm_exchange_makes_every_update_wait_for_every_stage() -> None:
+    """Global-norm clipping: stage 1 finishes subnet 0's backward first, but its U0 waits for stage 0's
+    B0 (the last backward of subnet 0 anywhere); the trainable head then holds back F1 on stage 1."""
+    res: Res = [[frozenset({("cand", i)}), frozenset({"head"})] for i in range(3)]
+    plain, clipped = build_schedule(res, 1), build_schedule(res, 1, norms=True)
+    for sched in (plain, clipped):
+        check_schedule(sched, res, 1)
+        replay(sched, 2)
+    assert plain.start[(1, U(0))] < plain.finish[(0, B(0))]
+    for i in range(3):
+        assert clipped.start[(1, U(i))] >= clipped.finish[(0, B(i))]
+        assert i == 0 or clipped.start[(0, U(i))] >= clipped.finish[(1, U(i - 1))]
+    assert clipped.makespan > plain.makespan, "the exchange costs pipelining through the shared head"
+    assert build_schedule(res, 1, norms=True).norms and not plain.norms
+    assert build_schedule(uniform(3, 1), 1, norms=True).stages == build_schedule(uniform(3, 1), 1).stages
 
 
 def test_module_docstring_table_is_current() -> None:
@@ -271,3 +291,26 @@ def test_property_matches_literal_reference(window: tuple[Res, int], weighted: b
     cost = _costs(len(res[0])) if weighted else None
     sched = build_schedule(res, chunks, cost)
     assert dict(sched.start) == reference(res, chunks, cost)
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(windows(), st.booleans(), st.integers(0, 2))
+def test_property_schedules_with_norm_exchange_are_valid_and_never_deadlock(
+        window: tuple[Res, int], weighted: bool, latency: int) -> None:
+    """Global-norm clipping: every update waits for all stages' backwards of its subnet; the orders
+    still keep every rule, and stage processes exchanging norms inside their updates cannot hang."""
+    res, chunks = window
+    sched = build_schedule(res, chunks, _costs(len(res)) if weighted else None, latency=latency, norms=True)
+    _assert_valid(sched, res, chunks)
+    stages = len(res[0])
+    for i in range(len(res)):
+        ready = max(sched.finish[(r, B(i, c))] for r in range(stages) for c in range(chunks))
+        assert all(sched.start[(s, U(i))] >= ready for s in range(stages))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(windows(max_n=7, max_stages=4), st.booleans())
+def test_property_norm_exchange_matches_literal_reference(window: tuple[Res, int], weighted: bool) -> None:
+    res, chunks = window
+    cost = _costs(len(res[0])) if weighted else None
+    assert dict(build_schedule(res, chunks, cost, norms=True).start) == reference(res, chunks, cost, norms=True)

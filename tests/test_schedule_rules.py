@@ -94,3 +94,22 @@ def test_replay_detects_deadlock_and_unmatched_messages() -> None:
     # A forward on stage 0 whose activation stage 1 never consumes.
     with pytest.raises(ScheduleError, match="never received"):
         replay(_with_order(sched, 1, [F(0, 0), B(0, 0), B(0, 1), U(0)]), 2)
+
+
+def test_check_catches_an_update_before_another_stages_backward_with_norms() -> None:
+    res = uniform(2, 2)
+    sched = build_schedule(res, 1, norms=True)
+    check_schedule(sched, res, 1)
+    plain = replace(build_schedule(res, 1), norms=True)  # orders and ticks made without the exchange
+    with pytest.raises(ScheduleError, match="norm exchange"):
+        check_schedule(plain, res, 1)
+
+
+def test_replay_finds_a_norm_exchange_deadlock() -> None:
+    """Stage 1 exchanges norms in U0 before sending B1's gradient; stage 0 waits for that gradient before
+    its own U0, so it never answers: fine without the exchange, a deadlock with it."""
+    stages = ((F(0), F(1), B(1), B(0), U(0), U(1)), (F(0), B(0), U(0), F(1), B(1), U(1)))
+    replay(Schedule(stages, {}, {}), 2)
+    with pytest.raises(DeadlockError, match="stage 1 at U0"):
+        replay(Schedule(stages, {}, {}, norms=True), 2)
+    replay(Schedule(((F(0), B(0), U(0)),), {}, {}, norms=True), 1)  # one stage: no message to exchange
