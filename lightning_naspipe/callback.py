@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from lightning_naspipe.data import reopen_epoch
+from lightning_naspipe.data import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import installed
 from lightning_naspipe.optim import step_schedulers
@@ -58,6 +58,14 @@ def validate_run(trainer: Any, module: object) -> None:
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: every batch "
             "trains its own subnet, so gradients cannot be accumulated across batches. Use a larger batch_size "
             "instead, and NASPipeStrategy(chunks=...) to split it into micro-batches if memory is tight."
+        )
+    if trainer.reload_dataloaders_every_n_epochs and isinstance(trainer.strategy, PipelineRunner):
+        raise NASPipeConfigError(
+            f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) is not exact "
+            "under NASPipeStrategy yet: Lightning reads the first window of a reloaded loader twice, so the data "
+            "order from the second epoch on would differ from a plain run's. Remove it (a dataloader passed to fit "
+            "is the same object every epoch); to change data between epochs, do it in the dataset, e.g. from "
+            "on_train_epoch_start."
         )
     if trainer.gradient_clip_val is not None and trainer.gradient_clip_val > 0:
         raise NASPipeConfigError(
@@ -119,6 +127,10 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             data = state["data"] = tracker.state_dict()
             if not data["finished"] and trainer.current_epoch > data["epoch"]:
                 reopen_epoch(checkpoint, data["epoch"])
+            data["epoch_open"] = epoch_open(checkpoint)
+            # _should_check_val_epoch (private, Lightning 2.6): whether the epoch validates at its end.
+            if data["finished"] and data["epoch_open"]:
+                finish_last_window(checkpoint, trainer.fit_loop.epoch_loop._should_check_val_epoch())
         checkpoint[CHECKPOINT_KEY] = state
 
     def on_load_checkpoint(

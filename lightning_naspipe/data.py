@@ -8,8 +8,15 @@ Exact resume: a shuffling ``DataLoader`` draws its permutation from torch's glob
 the ``generator`` it was given, when it starts an epoch, and Lightning cannot replay that on
 resume. :class:`DataTracker` records the state of the CPU RNG and of every generator that drives
 the loader's order (:func:`order_generators`) at the start of each epoch and, in the checkpoint,
-how many batches of the epoch were trained. On resume it restores those states, re-creates the
-same permutation, skips the trained batches, and then restores them to checkpoint time.
+how many batches of the epoch were trained and how many were read. On resume it restores those
+states, re-creates the same permutation, reads as many batches as the run had read (keeping the
+untrained ones), and then restores them to checkpoint time: whatever a loader draws lazily (a
+``RandomSampler`` draws at its first batch) is drawn as it was. A checkpoint written after the
+epoch's last window but before the epoch ended (``every_n_train_steps`` at the epoch's length)
+resumes with no batches left in that epoch.
+
+The loader starts an epoch's iterator when Lightning calls ``iter`` on it (a configuration error is
+raised from the first batch instead, so that Lightning's own ``iter`` call does not fail).
 
 The window loader never reads past a sized loader's last batch, as plain Lightning does not:
 a ``RandomSampler`` with a generator draws its next permutation when read past its end.
@@ -17,7 +24,6 @@ a ``RandomSampler`` with a generator draws its next permutation when read past i
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -41,6 +47,7 @@ class DataTracker:
         self._epoch_rng: torch.Tensor | None = None
         self._epoch_start_step = 0
         self._yielded = 0  # batches handed to Lightning this epoch (skipped ones included)
+        self._read = 0  # batches read from this epoch's iterator (skipped ones and read-ahead included)
         self._windows = 0
         self._exhausted = False
         self._resume: dict[str, Any] | None = None
@@ -60,6 +67,7 @@ class DataTracker:
             "epoch_generators": self._epoch_generator_states,
             "generators": [g.get_state() for g in self._generators],
             "position": position,
+            "read": self._read,
             "finished": done and position >= self._yielded,
         }
 
@@ -75,14 +83,20 @@ class DataTracker:
         """Arrange for the next epoch start to continue from ``state``."""
         self._resume = dict(state)
 
-    def start_epoch(self, length: int | float = math.inf, generators: list[torch.Generator] | None = None) -> int:
-        """Called as an epoch's iterator starts, with the dataloader's length and :func:`order_generators`;
-        returns how many batches to skip."""
+    def start_epoch(self, length: int | float = math.inf,
+                    generators: list[torch.Generator] | None = None) -> tuple[int, int] | None:
+        """Called as an epoch's iterator starts, with the dataloader's length and :func:`order_generators`.
+
+        Returns:
+            ``(skip, read)``: skip the first ``skip`` batches and read up to ``read`` in all before
+            :meth:`skipped`; ``None`` when the resumed epoch has no batches left (its last window was
+            trained before the checkpoint), so the epoch ends without reading.
+        """
         trainer = self._trainer()
         self.epoch_length = length
         self._generators = list(generators or [])
         resume, self._resume = self._resume, None
-        self._yielded, self._windows, self._exhausted = 0, 0, False
+        self._yielded, self._windows, self._exhausted, self._read = 0, 0, False, 0
         self._epoch = trainer.current_epoch
         self._after_skip: dict[str, Any] | None = None
         if resume is not None:
@@ -98,13 +112,18 @@ class DataTracker:
             self._epoch_rng, self._epoch_generator_states = resume["epoch_rng"], resume.get("epoch_generators", [])
             self._epoch_start_step = trainer.global_step - resume["position"]
             self._after_skip = resume
-            return int(resume["position"])
+            return int(resume["position"]), int(resume.get("read", resume["position"]))  # "read": since 0.2
         if resume is not None:
             self._set_states(resume["rng"], resume.get("generators", []))
+            if resume.get("epoch_open"):  # Lightning goes on with the epoch, whose data is spent
+                self._epoch_rng, self._epoch_generator_states = resume["epoch_rng"], resume.get("epoch_generators", [])
+                self._epoch_start_step = trainer.global_step - resume["position"]
+                self._yielded, self._exhausted = int(resume["position"]), True
+                return None
         self._epoch_rng = torch.get_rng_state()
         self._epoch_generator_states = [g.get_state() for g in self._generators]
         self._epoch_start_step = trainer.global_step
-        return 0
+        return 0, 0
 
     def _set_states(self, rng: torch.Tensor, generator_states: list[torch.Tensor]) -> None:
         torch.set_rng_state(rng)
@@ -117,6 +136,10 @@ class DataTracker:
         if self._after_skip is not None:
             self._set_states(self._after_skip["rng"], self._after_skip.get("generators", []))
             self._after_skip = None
+
+    def read(self) -> None:
+        """One more batch was read from this epoch's iterator."""
+        self._read += 1
 
     def yielded(self, count: int, exhausted: bool) -> None:
         self._yielded += count
@@ -152,6 +175,37 @@ def reopen_epoch(checkpoint: dict[str, Any], epoch: int) -> None:
     checkpoint["epoch"] = epoch
 
 
+def epoch_open(checkpoint: dict[str, Any]) -> bool:
+    """Whether a run resumed from ``checkpoint`` goes on with the epoch it was written in (Lightning's
+    fit loop had not yet processed it) rather than starting the next one."""
+    check_loop_state_layout(checkpoint)
+    counts = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]
+    return bool(counts["processed"] < counts["started"])
+
+
+def finish_last_window(checkpoint: dict[str, Any], validates: bool) -> None:
+    """Make a checkpoint written in the end hooks of an epoch's last window resume into that epoch's end.
+
+    Lightning 2.6 resumes such a checkpoint (last batch trained, epoch not processed) as the start of the
+    next epoch: the epoch-end validation and ``on_train_epoch_end`` of this one never run. Rewritten to
+    a batch fully completed and, if the epoch ``validates`` at its end, a validation interrupted before
+    its first batch, the resumed run validates (from the first batch), ends the epoch and logs at the
+    steps the uninterrupted run does. Lightning's private layout, as :func:`reopen_epoch`.
+    """
+    check_loop_state_layout(checkpoint)
+    fit_loop = checkpoint["loops"]["fit_loop"]
+    for scope in ("total", "current"):
+        batches = fit_loop["epoch_loop.batch_progress"][scope]
+        if batches["completed"] != batches["processed"] - 1:  # not written in the batch's end hooks
+            return
+        batches["completed"] = batches["processed"]
+        if validates:
+            fit_loop["epoch_loop.val_loop.batch_progress"][scope].update(ready=1, started=1, processed=0,
+                                                                        completed=0)
+    if not validates:  # Lightning counts this batch for the loggers only when it validates after a restart
+        fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
+
+
 #: Where reopen_epoch reads and writes in a checkpoint's fit-loop state, as Lightning 2.6 lays it out:
 #: (key, scope or None, fields).
 _PROGRESS = ("ready", "started", "processed", "completed")
@@ -160,6 +214,8 @@ LOOP_STATE_LAYOUT: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("epoch_loop.batch_progress", "total", _PROGRESS), ("epoch_loop.batch_progress", "current", _PROGRESS),
     ("epoch_loop.batch_progress", None, ("is_last_batch",)),
     ("epoch_loop.state_dict", None, ("_batches_that_stepped",)),
+    ("epoch_loop.val_loop.batch_progress", "total", _PROGRESS),
+    ("epoch_loop.val_loop.batch_progress", "current", _PROGRESS),
 )
 
 
@@ -192,11 +248,14 @@ class WindowLoader:
             (``ModelCheckpoint(every_n_train_steps=...)``): a window ends early rather than cross a
             multiple, so the trigger fires at the subnet count the user asked for. Results never depend
             on where windows end.
+        batch_limit: batches of the user's loader per epoch at most (``limit_train_batches`` and
+            ``overfit_batches`` in batches, see :func:`train_batch_limit`).
     """
 
     def __init__(self, dataloader: Iterable[Any], window: int, tracker: DataTracker,
-                 step_triggers: Iterable[int] = ()) -> None:
+                 step_triggers: Iterable[int] = (), batch_limit: int | float = math.inf) -> None:
         self.dataloader = dataloader
+        self.batch_limit = batch_limit
         self.window = window
         self.tracker = tracker
         self.step_triggers = sorted(set(step_triggers))
@@ -222,18 +281,35 @@ class WindowLoader:
         return getattr(self.dataloader, name)
 
     def __iter__(self) -> Iterator[list[Any]]:
-        length = _length(self.dataloader)
-        skip = self.tracker.start_epoch(length, order_generators(self.dataloader))
+        try:
+            return self._start()
+        except NASPipeConfigError as error:  # raised from the first batch: Lightning's iter() must not fail
+            return _raising(error)
+
+    def _start(self) -> Iterator[list[Any]]:
+        length = min(_length(self.dataloader), self.batch_limit)
+        start = self.tracker.start_epoch(length, order_generators(self.dataloader))
+        self.handed_out = {}
+        if start is None:  # a resumed epoch whose last window was trained: it ends without reading
+            self._source, self._unread, self._ahead = None, 0, deque()
+            return iter(())
+        skip, read = start
         iterator = iter(self.dataloader)
-        skipped = sum(1 for _ in itertools.islice(iterator, skip))
-        if skipped < skip:
+        self._source, self._unread, self._ahead = iterator, length, deque()
+        for _ in range(max(skip, read)):
+            if not self._read_one():
+                break
+        if len(self._ahead) < skip:
             raise NASPipeConfigError(
                 f"Resuming expects at least {skip} training batches in this epoch but the dataloader yields only "
-                f"{skipped}; resume with the same data, batch size and dataset as the checkpointed run."
+                f"{len(self._ahead)}; resume with the same data, batch size and dataset as the checkpointed run."
             )
+        for _ in range(skip):
+            self._ahead.popleft()
         self.tracker.skipped(skip)
-        self.handed_out = {}
-        self._source, self._unread, self._ahead = iterator, length - skip, deque()
+        return self._windows(iterator)
+
+    def _windows(self, iterator: Iterator[Any]) -> Iterator[list[Any]]:
         try:
             while True:
                 # Never past a sized loader's end (see the module docstring).
@@ -287,6 +363,7 @@ class WindowLoader:
             self._unread = 0
             return False
         self._unread -= 1
+        self.tracker.read()
         return True
 
 
@@ -313,6 +390,36 @@ def order_generators(dataloader: object) -> list[torch.Generator]:
             )
         found[id(generator)] = generator
     return list(found.values())
+
+
+def _raising(error: Exception) -> Iterator[Any]:
+    raise error
+    yield  # a generator: raises at its first item
+
+
+def train_batch_limit(limit: int | float, dataloader: Iterable[Any]) -> int | float:
+    """``Trainer(limit_train_batches=limit)`` (which ``overfit_batches`` sets too) as the batches of the
+    user's training ``dataloader`` that a plain run trains per epoch, by Lightning's rule.
+
+    Raises:
+        NASPipeConfigError: a fraction of a loader without a length, or a fraction that leaves no batch.
+    """
+    length = _length(dataloader)
+    if isinstance(limit, int):
+        return min(length, limit)
+    if limit == 1.0:
+        return length
+    if math.isinf(length):
+        raise NASPipeConfigError(
+            f"Trainer(limit_train_batches={limit}) asks for a fraction of the training dataloader, which has no "
+            "length (an IterableDataset); give a number of batches instead, e.g. limit_train_batches=100."
+        )
+    if int(length * limit) == 0 and limit > 0:
+        raise NASPipeConfigError(
+            f"Trainer(limit_train_batches={limit}) of the {length} training batches is less than one batch; "
+            f"use at least limit_train_batches={1 / length}."
+        )
+    return int(length * limit)
 
 
 def _length(dataloader: Iterable[Any]) -> int | float:

@@ -8,7 +8,6 @@ subnet total: the plain run's numbers, updated once per window.
 
 from __future__ import annotations
 
-import math
 import types
 from typing import TYPE_CHECKING, Any
 
@@ -27,16 +26,13 @@ class SubnetProgress(_ProgressBarBase):
     """Mixed into a progress bar's class by :func:`count_subnets`."""
 
     _naspipe_tracker: DataTracker
-    _naspipe_window: int
 
     @property
     @override
     def total_train_batches(self) -> int | float:
         # Lightning's rule (ProgressBar.total_train_batches) in subnets instead of windows.
         trainer = self.trainer
-        subnets: int | float = self._naspipe_tracker.epoch_length
-        if not math.isinf(trainer.num_training_batches):  # limit_train_batches counts windows
-            subnets = min(subnets, trainer.num_training_batches * self._naspipe_window)
+        subnets: int | float = self._naspipe_tracker.epoch_length  # limit_train_batches applied
         if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
             subnets = min(subnets, trainer.max_steps - trainer.global_step)
         return subnets
@@ -47,7 +43,7 @@ class SubnetProgress(_ProgressBarBase):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, self._naspipe_tracker.position() - 1)
 
 
-def count_subnets(bar: object, tracker: DataTracker, window: int) -> bool:
+def count_subnets(bar: object, tracker: DataTracker) -> bool:
     """Make ``bar`` (the Trainer's progress bar callback, or None) count subnets; True if it does.
 
     Only Lightning's own TQDM and Rich bars and their subclasses are changed: other bars may read
@@ -63,7 +59,7 @@ def count_subnets(bar: object, tracker: DataTracker, window: int) -> bool:
     if bar_class not in _COUNTING:
         _COUNTING[bar_class] = types.new_class(f"SubnetCounting{bar_class.__name__}", (SubnetProgress, bar_class))
     bar.__class__ = _COUNTING[bar_class]
-    bar._naspipe_tracker, bar._naspipe_window = tracker, window
+    bar._naspipe_tracker = tracker
     return True
 
 

@@ -22,7 +22,13 @@ from typing_extensions import override
 from lightning_naspipe.arguments import check_all
 from lightning_naspipe.binding import bind_classes
 from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.data import DataTracker, WindowLoader, refuse_distributed_sampler, transfer_hooks_overridden
+from lightning_naspipe.data import (
+    DataTracker,
+    WindowLoader,
+    refuse_distributed_sampler,
+    train_batch_limit,
+    transfer_hooks_overridden,
+)
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
@@ -183,6 +189,7 @@ class NASPipeStrategy(StagePlacement):
         self._split_costs: tuple[list[float], str] = ([], "params")
         self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
+        self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
 
     @override
     def connect(self, model: Any) -> None:
@@ -198,6 +205,12 @@ class NASPipeStrategy(StagePlacement):
 
     def _refuse_batch_counted_triggers(self, trainer: Any) -> None:
         interval = trainer.val_check_interval
+        if isinstance(interval, float) and interval != 1.0:
+            raise NASPipeConfigError(
+                f"Trainer(val_check_interval={interval}) validates after a fraction of an epoch's Lightning batches, "
+                f"which are windows of subnets under NASPipeStrategy. Validate per epoch (check_val_every_n_epoch), "
+                "or every N subnets with NASPipeStrategy(window=1) and Trainer(val_check_interval=N)."
+            )
         if self.window > 1 and isinstance(interval, int) and not isinstance(interval, bool):
             raise NASPipeConfigError(
                 f"Trainer(val_check_interval={interval}) counts Lightning batches, which are windows of "
@@ -243,7 +256,7 @@ class NASPipeStrategy(StagePlacement):
             drop_foreign_state(self.optimizers[0], self._owned())
         if self.offload:
             self._build_offloader()
-        count_subnets(trainer.progress_bar_callback, self.data_tracker, self.window)
+        count_subnets(trainer.progress_bar_callback, self.data_tracker)
         if self.world_size > 1:
             warnings.filterwarnings("ignore", message=_SYNC_ADVICE)  # the same filter once, however many fits
 
@@ -313,6 +326,9 @@ class NASPipeStrategy(StagePlacement):
         supernet = getattr(self.lightning_module, "supernet", None)
         if supernet is not None:
             supernet.local_blocks = None
+        if self._train_limit is not None and self.lightning_module is not None:
+            self.lightning_module.trainer.limit_train_batches = self._train_limit
+            self._train_limit = None
         super().teardown()
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -376,7 +392,14 @@ class NASPipeStrategy(StagePlacement):
             return dataloader
         # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window (a private attribute).
         triggers = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
-        self._loader = WindowLoader(dataloader, self.window, self.data_tracker, triggers)  # type: ignore[arg-type]
+        # limit_train_batches (and overfit_batches, which sets it) counts the user's batches here; Lightning,
+        # which would count windows, is told to take the whole (window) loader. Restored at teardown.
+        if self._train_limit is None:
+            self._train_limit = trainer.limit_train_batches
+        trainer.limit_train_batches = 1.0
+        limit = train_batch_limit(self._train_limit, dataloader)  # type: ignore[arg-type]
+        self._loader = WindowLoader(dataloader, self.window, self.data_tracker, triggers,  # type: ignore[arg-type]
+                                    limit)
         return self._loader
 
     @classmethod

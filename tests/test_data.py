@@ -198,8 +198,8 @@ def test_the_window_loader_keeps_the_last_two_windows_it_handed_out() -> None:
     assert loader.handed_out == {0: first, 3: second}  # Lightning trains window 0 while it holds window 3
     third = next(iterator)
     assert loader.handed_out == {3: second, 6: third}
-    again = iter(loader)  # the next epoch: none of the last one's windows is "next"
     trainer.global_step, trainer.current_epoch = 10, 1
+    again = iter(loader)  # the next epoch: none of the last one's windows is "next"
     assert next(again)[0].tolist() == [0] and list(loader.handed_out) == [10]
 
 

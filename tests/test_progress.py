@@ -44,11 +44,11 @@ def test_bar_shows_the_plain_runs_counts(namespace: Any, limits: dict[str, int])
     assert naspipe_bar.seen == plain_bar.seen and plain_bar.seen  # e.g. [(12, 12), (4, 4)] for max_steps=16
 
 
-def test_limit_train_batches_counts_windows_and_the_bar_says_so() -> None:
+def test_limit_train_batches_counts_batches_as_in_a_plain_run_and_the_bar_says_so() -> None:
     bar = _recording_bar(L)
     train(lnp.NASPipeStrategy(window=4), namespace=L, enable_progress_bar=True, callbacks=[bar], max_epochs=1,
-          limit_train_batches=2)
-    assert bar.seen == [(8, 8)]  # 2 windows of 4 subnets, in subnets
+          limit_train_batches=6)
+    assert bar.seen == [(6, 6)]  # 6 batches (a window of 4 subnets and one of 2), not 6 windows
 
 
 def test_other_bars_are_left_alone() -> None:
@@ -56,5 +56,5 @@ def test_other_bars_are_left_alone() -> None:
         pass
 
     bar = Custom()
-    assert not count_subnets(bar, None, 4) and type(bar) is Custom  # type: ignore[arg-type]
-    assert not count_subnets(None, None, 4)  # type: ignore[arg-type]
+    assert not count_subnets(bar, None) and type(bar) is Custom  # type: ignore[arg-type]
+    assert not count_subnets(None, None)  # type: ignore[arg-type]
