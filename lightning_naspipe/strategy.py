@@ -312,6 +312,11 @@ class NASPipeStrategy(StagePlacement):
         if self.trace_dir is not None:
             self._write_trace()
         self.sync_weights()
+        if self.world_size > 1 and self.optimizers:
+            # Every rank holds the whole optimizer state too, so that a later validate/test/predict (which
+            # splits the blocks anew, by parameters) loses none of a block the timed split had moved.
+            inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
+            inner.load_state_dict(gather_optimizer_state(inner, self._owned(), self.root_device))
         supernet_of(self.lightning_module).local_blocks = None  # whole again
 
     @override

@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="csp")
     parser.add_argument("--transport", default="auto", help="NASPipeStrategy(transport=...)")
     parser.add_argument("--search", action="store_true", help="after fit: lnp.search, history to OUT.search{rank}")
+    parser.add_argument("--validate-after", action="store_true",
+                        help="after fit: trainer.validate, then a checkpoint to OUT.after_validate")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
     parser.add_argument("--fake-block-costs", type=float, nargs="+", default=None,
@@ -128,6 +130,9 @@ def main() -> None:
     torch.save(trainer.strategy.engine.forwards_ahead, f"{args.out}.ahead{trainer.global_rank}")
     if trainer.global_rank == 0:
         torch.save(model.losses, args.out + ".losses")
+    if args.validate_after:
+        trainer.validate(model, toy_loader(samples=16, shuffle=False), verbose=False)
+        trainer.save_checkpoint(args.out + ".after_validate")
     if args.search:
         result = lnp.search(trainer, model, SEARCHER, toy_loader(samples=40, shuffle=False),
                             calibration=toy_loader(samples=16, shuffle=False))
