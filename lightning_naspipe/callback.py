@@ -59,14 +59,6 @@ def validate_run(trainer: Any, module: object) -> None:
             "trains its own subnet, so gradients cannot be accumulated across batches. Use a larger batch_size "
             "instead, and NASPipeStrategy(chunks=...) to split it into micro-batches if memory is tight."
         )
-    if trainer.reload_dataloaders_every_n_epochs and isinstance(trainer.strategy, PipelineRunner):
-        raise NASPipeConfigError(
-            f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) is not exact "
-            "under NASPipeStrategy yet: Lightning reads the first window of a reloaded loader twice, so the data "
-            "order from the second epoch on would differ from a plain run's. Remove it (a dataloader passed to fit "
-            "is the same object every epoch); to change data between epochs, do it in the dataset, e.g. from "
-            "on_train_epoch_start."
-        )
     if trainer.gradient_clip_val is not None and trainer.gradient_clip_val > 0:
         raise NASPipeConfigError(
             f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported: norm clipping would "

@@ -48,6 +48,7 @@ class DataTracker:
         self._epoch_start_step = 0
         self._yielded = 0  # batches handed to Lightning this epoch (skipped ones included)
         self._read = 0  # batches read from this epoch's iterator (skipped ones and read-ahead included)
+        self._started: tuple[int, int] | None = None  # (epoch, global step) where an epoch iterator last started
         self._windows = 0
         self._exhausted = False
         self._resume: dict[str, Any] | None = None
@@ -83,9 +84,15 @@ class DataTracker:
         """Arrange for the next epoch start to continue from ``state``."""
         self._resume = dict(state)
 
-    def start_epoch(self, length: int | float = math.inf,
-                    generators: list[torch.Generator] | None = None) -> tuple[int, int] | None:
+    def start_epoch(self, length: int | float = math.inf, generators: list[torch.Generator] | None = None,
+                    drop_iterator: Callable[[], object] = lambda: None) -> tuple[int, int] | None:
         """Called as an epoch's iterator starts, with the dataloader's length and :func:`order_generators`.
+
+        Lightning starts the iterator of an epoch whose loader it reloads twice, and reads the first window
+        of the first (it prefetches from a loader without length) where a plain run only makes a first
+        iterator and reads nothing from it. The second start therefore goes back to the RNG states of the
+        first and calls ``drop_iterator`` (make an iterator of the user's loader and drop it), so the
+        iterator that trains draws what the plain run's does.
 
         Returns:
             ``(skip, read)``: skip the first ``skip`` batches and read up to ``read`` in all before
@@ -96,6 +103,8 @@ class DataTracker:
         self.epoch_length = length
         self._generators = list(generators or [])
         resume, self._resume = self._resume, None
+        again, self._started = self._started == (trainer.current_epoch, trainer.global_step), (
+            trainer.current_epoch, trainer.global_step)
         self._yielded, self._windows, self._exhausted, self._read = 0, 0, False, 0
         self._epoch = trainer.current_epoch
         self._after_skip: dict[str, Any] | None = None
@@ -120,6 +129,9 @@ class DataTracker:
                 self._epoch_start_step = trainer.global_step - resume["position"]
                 self._yielded, self._exhausted = int(resume["position"]), True
                 return None
+        elif again and self._epoch_rng is not None:
+            self._set_states(self._epoch_rng, self._epoch_generator_states)
+            drop_iterator()
         self._epoch_rng = torch.get_rng_state()
         self._epoch_generator_states = [g.get_state() for g in self._generators]
         self._epoch_start_step = trainer.global_step
@@ -288,7 +300,7 @@ class WindowLoader:
 
     def _start(self) -> Iterator[list[Any]]:
         length = min(_length(self.dataloader), self.batch_limit)
-        start = self.tracker.start_epoch(length, order_generators(self.dataloader))
+        start = self.tracker.start_epoch(length, order_generators(self.dataloader), lambda: iter(self.dataloader))
         self.handed_out = {}
         if start is None:  # a resumed epoch whose last window was trained: it ends without reading
             self._source, self._unread, self._ahead = None, 0, deque()
