@@ -8,6 +8,8 @@ history, the scores and the winner do not depend on the number of stages.
 
 One architecture is scored on a :meth:`Supernet.freeze <.supernet.Supernet.freeze>` copy, in eval
 mode, after optional BatchNorm recalibration, so the trained supernet is never changed.
+Architectures with one :meth:`canonical form <.supernet.Supernet.canonical>` freeze to the same
+subnet, so one evaluation scores all of them, whatever a searcher proposes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.freezing import recalibrate_batchnorm
 from lightning_naspipe.search_log import append_log, fingerprint, read_log
 from lightning_naspipe.search_plot import pareto_front, plot_search
-from lightning_naspipe.searchers import Record, Searcher, architecture_key, ranking_key
+from lightning_naspipe.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
 from lightning_naspipe.supernet import Supernet, supernet_of
 
 __all__ = ["SearchResult", "search"]
@@ -134,7 +136,7 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
                                                      max_flops, constraint, metric is not None)
     logged = read_log(log_path, key, repair=rank == 0) if log_path is not None else []
     history: list[Record] = []
-    # Each architecture's (score, params, FLOPs), evaluated once.
+    # Each canonical architecture's (score, params, FLOPs), evaluated once.
     scores: dict[tuple[tuple[str, int], ...], tuple[float, int, int]] = {}
     constrained = max_params is not None or max_flops is not None or constraint is not None
     progress = _progress(trainer, rank)
@@ -146,7 +148,7 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
             return ((max_params is None or params <= max_params) and (max_flops is None or flops <= max_flops)
                     and (constraint is None or bool(constraint(architecture, params, flops))))
 
-        while proposals := searcher.propose(supernet.labels, history, feasible, maximize):
+        while proposals := searcher.propose(score.space, history, feasible, maximize):
             first = len(history)
             for i, architecture in enumerate(proposals[:max(0, len(logged) - first)], first):
                 if logged[i].architecture != supernet.validate(architecture):
@@ -155,13 +157,12 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
                         f"proposes {architecture}: it comes from another searcher, seed or checkpoint. Pass "
                         "another log_path, or the same settings."
                     )
-                scores.setdefault(architecture_key(architecture), (logged[i].score, logged[i].params, logged[i].flops))
-            todo = list({architecture_key(a): a for a in proposals if architecture_key(a) not in scores}.values())
-            mine = {architecture_key(a): score(a) for a in todo[rank::world]}
+                scores.setdefault(score.key(architecture), (logged[i].score, logged[i].params, logged[i].flops))
+            todo = list({score.key(a): a for a in proposals if score.key(a) not in scores}.values())
+            mine = {score.key(a): score(a) for a in todo[rank::world]}
             for part in gather_objects(mine, world):
                 scores.update(part)
-            new = [Record(i, supernet.validate(a), *scores[architecture_key(a)])
-                   for i, a in enumerate(proposals, first)]
+            new = [Record(i, supernet.validate(a), *scores[score.key(a)]) for i, a in enumerate(proposals, first)]
             history += new
             if rank == 0:
                 fresh = [r for r in new if r.index >= len(logged)]
@@ -184,8 +185,14 @@ class _Scorer:
         self.model, self.supernet, self.batches, self.calibration, self.metric = (
             model, supernet, batches, calibration, metric)
         self._measured: dict[tuple[tuple[str, int], ...], tuple[int, int]] = {}
+        #: What searchers see: the labels, and which architectures run one subnet.
+        self.space = SearchSpace(supernet.labels, supernet.canonical)
         first = tensors_in(model.pipeline_input(batches[0]))
         self.samples = first[0].shape[0] if first and first[0].dim() else 1  # FLOPs are reported per sample
+
+    def key(self, architecture: Architecture) -> tuple[tuple[str, int], ...]:
+        """Equal for architectures that run the same subnet (one canonical form), which score the same."""
+        return architecture_key(self.space.canonical(architecture))
 
     def frozen(self, architecture: Architecture) -> nn.Module:
         net = self.supernet.freeze(architecture)
@@ -195,7 +202,7 @@ class _Scorer:
 
     def measure(self, architecture: Architecture) -> tuple[int, int]:
         """Parameters, and FLOPs per sample of the first batch's forward (a constraint's inputs)."""
-        key = architecture_key(architecture)
+        key = self.key(architecture)
         if key not in self._measured:
             net = self.supernet.freeze(architecture).eval()
             with torch.no_grad(), FlopCounterMode(display=False) as counter:

@@ -171,6 +171,33 @@ class Supernet(nn.Module):
                 )
         return {label: int(architecture[label]) for label in self.labels}
 
+    def reachable_labels(self, architecture: Mapping[str, int]) -> frozenset[str]:
+        """The labels whose choice ``architecture``'s path reads.
+
+        A label is unreachable when every choice and :class:`~.choice.When` carrying it sits inside a
+        candidate the architecture did not pick (or the body of a ``When`` that does not run, e.g. the
+        op of an edge a cell's node did not choose); changing it changes nothing the subnet runs.
+        """
+        reached: set[str] = set()
+        for root in self._scopes:
+            for scope in root.active(architecture):
+                reached.update(label for label, _, _ in scope.choices)
+        return frozenset(reached)
+
+    def canonical(self, architecture: Mapping[str, int]) -> Architecture:
+        """The representative of the architectures that run the same subnet as ``architecture``.
+
+        Every label the path never reaches (:meth:`reachable_labels`) is set to 0, so two architectures
+        that differ only there give the same dict; the reached labels, which alone decide which
+        labels are reached, keep their choices. Searchers evaluate one architecture per canonical form.
+
+        Raises:
+            NASPipeConfigError: ``architecture`` is not one of this space's (see :meth:`validate`).
+        """
+        architecture = self.validate(architecture)
+        reached = self.reachable_labels(architecture)
+        return {label: value if label in reached else 0 for label, value in architecture.items()}
+
     def block_op(self, index: int, architecture: Mapping[str, int]) -> nn.Module:
         """The module block ``index`` runs for ``architecture``: a top-level choice's candidate, else
         the block itself (whose nested choices follow the active architecture, see :meth:`run_block`)."""

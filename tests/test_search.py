@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import lightning_naspipe as lnp
-from helpers import ToyNet, full_state, pl, toy_loader, train
+from helpers import CLASSES, FEATURES, ToyNet, full_state, pl, toy_loader, train
 from lightning_naspipe import search_loop
+from test_searchers import nested_blocks
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,9 @@ def test_a_resumed_search_equals_the_uninterrupted_one_and_evaluates_nothing_twi
     searcher = lnp.EvolutionSearch(population=5, sample_size=2, cycles=7, seed=4)
     full = lnp.search(trainer, model, searcher, loader, log_path=tmp_path / "full.jsonl")
     lines = (tmp_path / "full.jsonl").read_text().splitlines()
-    assert len(lines) == 1 + 12 and "fingerprint" in lines[0]  # the header, then one record per evaluation
+    # The header, then one record per evaluation: all 9 architectures of the toy space (7 cycles would
+    # need 12; the evolution ends when every mutation repeats an architecture evaluated before).
+    assert len(lines) == 1 + 9 and "fingerprint" in lines[0]
     # Killed after 6 records, halfway through writing the 7th.
     (tmp_path / "cut.jsonl").write_text("\n".join(lines[:7]) + "\n" + lines[7][:20])
     evaluated: list[dict[str, int]] = []
@@ -172,3 +175,29 @@ def test_the_progress_bar_counts_architectures_when_the_trainer_shows_one(
     lnp.search(pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False), model,
                lnp.RandomSearch(5), loader)
     assert "Search" not in capsys.readouterr().err
+
+
+class _Nested(ToyNet):  # type: ignore[misc, valid-type]
+    """ToyNet's stem and head around blocks whose labels a path does not always reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.supernet = lnp.Supernet(torch.nn.Linear(FEATURES, 8), *nested_blocks(8), torch.nn.Linear(8, CLASSES))
+
+
+def test_architectures_that_differ_only_where_never_reached_are_evaluated_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, loader = _Nested(), toy_loader(samples=16, shuffle=False)
+    evaluated: list[dict[str, int]] = []
+    score = search_loop._Scorer.__call__
+    monkeypatch.setattr(search_loop._Scorer, "__call__", lambda self, a: evaluated.append(a) or score(self, a))
+    grid = lnp.search(None, model, lnp.GridSearch(), loader)
+    assert len(grid.history) == len(evaluated) == 80  # of 144 architectures
+    unreached = {"outer": 0, "inner": 2, "gate": 0, "gated": 1, "tail": 0, "last": 1}
+    canonical = model.supernet.canonical(unreached)
+    # A searcher of the user's own proposes both: recorded as proposed, scored once.
+    evaluated.clear()
+    both = lnp.search(None, model, _Fixed([unreached, canonical]), loader).history
+    assert len(evaluated) == 1 and [r.architecture for r in both] == [unreached, canonical]
+    assert both[0].score == both[1].score == next(r.score for r in grid.history if r.architecture == canonical)
