@@ -32,6 +32,7 @@ from lightning_naspipe.choice import Architecture
 from lightning_naspipe.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.freezing import recalibrate_batchnorm
+from lightning_naspipe.processes import StageProcesses
 from lightning_naspipe.search_log import append_log, fingerprint, read_log
 from lightning_naspipe.search_plot import pareto_front, plot_search
 from lightning_naspipe.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
@@ -95,7 +96,8 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
     Args:
         trainer: the Trainer that trained ``model`` (its processes evaluate in parallel; its loggers
             get ``search/score`` and ``search/best_score`` per evaluation; its progress bar setting is
-            followed).
+            followed), or ``None``. A multi-stage ``NASPipeStrategy`` must have launched its processes
+            (``fit`` or ``validate`` ran in this script), else the search is refused.
         model: a LightningModule with :class:`~lightning_naspipe.NASPipeMixin`.
         searcher: e.g. :class:`~lightning_naspipe.RandomSearch` or :class:`~lightning_naspipe.EvolutionSearch`.
         dataloader: the evaluation batches (read once, on the first process, and shared).
@@ -109,7 +111,12 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
 
     Returns:
         :class:`SearchResult` with ``.best`` and ``.history``.
+
+    Raises:
+        NASPipeConfigError: e.g. the trainer's stage processes were never launched, the dataloader is
+            empty, or no architecture meets the constraints.
     """
+    _check_launched(trainer)
     supernet = supernet_of(model)
     device = next(iter(supernet.parameters()), torch.empty(0)).device
     # Reading data loaders draws from the global RNG (their base seed): training after a search
@@ -241,6 +248,23 @@ def _number(value: Any, what: str) -> float:
                                      f"{tuple(value.shape)}.")
         return float(value.item())  # float32 -> float64 is exact; sums run in a fixed order
     return float(value)
+
+
+def _check_launched(trainer: Any) -> None:
+    """Refuse a multi-stage NASPipe trainer whose processes are not running: it would search on this one alone."""
+    strategy = getattr(trainer, "strategy", None)
+    if not isinstance(strategy, StageProcesses):
+        return
+    stages = strategy.num_processes * strategy.num_nodes
+    if stages > 1 and _world()[0] != stages:
+        raise NASPipeConfigError(
+            f"lnp.search got a Trainer whose NASPipeStrategy runs {stages} stage processes, but they are not "
+            "running in this process (no process group): the search would run on this process alone. Call "
+            "lnp.search after trainer.fit(...) or trainer.validate(model, dataloaders) in the same script: they "
+            "launch the stages, each of which then runs the rest of the script (start_method='popen', the "
+            "default). Or use the CLI's search subcommand, or pass a one-device Trainer (or trainer=None) to "
+            "search on this process alone, with the same results."
+        )
 
 
 def _world() -> tuple[int, int]:

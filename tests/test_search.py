@@ -177,6 +177,17 @@ def test_the_progress_bar_counts_architectures_when_the_trainer_shows_one(
     assert "Search" not in capsys.readouterr().err
 
 
+def test_a_multi_stage_trainer_whose_processes_never_started_is_refused(trained: tuple[Any, Any]) -> None:
+    model, _ = trained
+    loader = toy_loader(samples=8, shuffle=False)
+    unlaunched = pl.Trainer(accelerator="cpu", devices=2, strategy="naspipe", logger=False)
+    with pytest.raises(lnp.NASPipeConfigError, match=r"not running.*trainer\.validate.*one-device Trainer"):
+        lnp.search(unlaunched, model, lnp.RandomSearch(2), loader)
+    alone = lnp.search(None, model, lnp.RandomSearch(2), loader).history
+    one_stage = pl.Trainer(accelerator="cpu", devices=1, strategy="naspipe", logger=False, enable_progress_bar=False)
+    assert lnp.search(one_stage, model, lnp.RandomSearch(2), loader).history == alone
+
+
 class _Nested(ToyNet):  # type: ignore[misc, valid-type]
     """ToyNet's stem and head around blocks whose labels a path does not always reach."""
 
