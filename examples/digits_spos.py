@@ -247,12 +247,12 @@ class DigitsSupernet(lnp.NASPipeMixin, pl.LightningModule):
 
 def cli_main(args: ArgsType = None, run: bool = True) -> Any:
     """The command-line entry point; ``args`` overrides ``sys.argv`` (used by the tests)."""
-    # LightningCLI plus a "search" subcommand that reads the same config file as "fit".
+    # LightningCLI plus a "search" subcommand that reads the same config file as "fit" (or the
+    # config.yaml fit saved in its log folder: search saves its own as search_config.yaml).
     return lnp.naspipe_cli(
         DigitsSupernet,
         DigitsDataModule,
         seed_everything_default=42,
-        save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
     )

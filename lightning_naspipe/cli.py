@@ -9,11 +9,17 @@
 arguments from the Trainer method of that name). It loads the checkpoint on every process with a
 ``validate`` run of no batches, which launches the stage processes as ``fit`` does, then calls
 :func:`lightning_naspipe.search` on all of them.
+
+The config ``fit`` saved in its log folder is a valid ``search`` config, and a search never writes
+over what ``fit`` left there: a logger with a fixed version logs the search to a ``search``
+sub-folder of its folder (an automatic version is the next ``version_N`` anyway), and the search's
+config is saved as ``search_config.yaml``, not ``config.yaml``.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 from functools import cache
 from typing import Any, Optional, Union
@@ -53,8 +59,25 @@ def _cli_class(namespace: Namespace) -> Any:
     class NASPipeCLI(base):  # type: ignore[misc, valid-type]
         """LightningCLI with a ``search`` subcommand."""
 
+        save_config_kwargs: dict[str, Any]  # LightningCLI's, set in its __init__
+
         def __init__(self, *args: Any, trainer_class: Any = default_trainer, **kwargs: Any) -> None:
             super().__init__(*args, trainer_class=_with_search(trainer_class), **kwargs)
+
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            if self.subcommand != "search":
+                return super().instantiate_trainer(**kwargs)
+            saved = self.save_config_kwargs
+            # The config fit saved is often the one this search was given: never write over it. A search
+            # saves its own under its own name, replacing that of a previous search there (a resumed one).
+            name = "search_" + os.path.basename(saved.get("config_filename", "config.yaml"))
+            self.save_config_kwargs = {**saved, "config_filename": name, "overwrite": True}
+            try:
+                trainer = super().instantiate_trainer(**kwargs)
+            finally:
+                self.save_config_kwargs = saved
+            _own_log_folders(trainer, namespace)
+            return trainer
 
         @staticmethod
         def subcommands() -> dict[str, set[str]]:
@@ -74,10 +97,28 @@ def _with_search(trainer_class: Any) -> Any:
                                                           "__doc__": trainer_class.__doc__})
 
 
+def _own_log_folders(trainer: Any, namespace: Namespace) -> None:
+    """Point each CSV or TensorBoard logger with a fixed version at a ``search`` sub-folder of its folder.
+
+    Such a logger would otherwise log the search into fit's folder, whose ``metrics.csv`` the CSV
+    logger deletes when it starts. An automatic version (``None``) already gives a new folder.
+    """
+    loggers = namespace.fabric_module("loggers")
+    for logger in trainer.loggers:
+        if not isinstance(logger, (loggers.CSVLogger, loggers.TensorBoardLogger)):
+            continue
+        version = logger._version  # what the user fixed, or None; `version` would pick the next free one
+        if version is None or getattr(logger, "_experiment", None) is not None:
+            continue  # a new version_N, or a run already writing where it writes
+        folder = version if isinstance(version, str) else f"version_{version}"
+        logger._version = os.path.join(folder, "search") if folder else "search"
+
+
 def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[str] = None,
             searcher: AnySearcher = RandomSearch(64), calibration_batches: int = 0,
             max_params: Optional[int] = None, max_flops: Optional[int] = None, log_path: Optional[str] = None,
-            plot_path: Optional[str] = None, export_path: Optional[str] = None) -> SearchResult:
+            plot_path: Optional[str] = None, export_path: Optional[str] = None,
+            weights_only: Optional[bool] = None) -> SearchResult:
     """Search the trained supernet of a checkpoint for the best subnet.
 
     Scores come from the validation dataloader (see ``lightning_naspipe.search``).
@@ -95,13 +136,15 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
         log_path: a JSON-lines log of the evaluations; an interrupted search resumes from it.
         plot_path: write a PNG of score against FLOPs with the Pareto front here (needs matplotlib).
         export_path: save the best subnet here (``lightning_naspipe.save_subnet``).
+        weights_only: how the checkpoint is loaded, as for ``Trainer.validate`` (``fit`` saves it in
+            its config, so the config fit saved is a valid search config).
     """
     if ckpt_path is None:
         raise NASPipeConfigError("search needs --ckpt_path: the checkpoint of the trained supernet (fit writes it).")
     limit = self.limit_val_batches
     self.limit_val_batches = 0  # the validate run only launches the processes and loads the checkpoint
     try:
-        self.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        self.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=weights_only)
     finally:
         self.limit_val_batches = limit
     loaders = datamodule if datamodule is not None else model

@@ -160,8 +160,10 @@ def _random_until(labels: Mapping[str, int], history: Sequence[Record], count: i
     return [_sample_new(labels, f"{seed}:random:{k}", feasible, seen) for k in range(len(history), count)]
 
 
+# The searchers subclass the protocol they implement: a dataclass with a base class is one that
+# jsonargparse (LightningCLI) writes as class_path and init_args, so a printed config reloads.
 @dataclass(frozen=True)
-class RandomSearch:
+class RandomSearch(Searcher):
     """``samples`` distinct architectures, uniform at random among the feasible ones.
 
     Draws equivalent to an earlier one (equal, or different only in labels the path never
@@ -190,7 +192,7 @@ class RandomSearch:
 
 
 @dataclass(frozen=True)
-class GridSearch:
+class GridSearch(Searcher):
     """Every feasible architecture of a small space, in ``itertools.product`` order of the labels.
 
     Architectures that differ only in labels their path never reaches are one: each is proposed
@@ -218,7 +220,7 @@ class GridSearch:
 
 
 @dataclass(frozen=True)
-class EvolutionSearch:
+class EvolutionSearch(Searcher):
     """Regularized (aging) evolution (Real et al., 2019): tournament selection, mutation, oldest out.
 
     First ``population`` random architectures (as :class:`RandomSearch`). Then each of ``cycles``
@@ -279,7 +281,7 @@ class EvolutionSearch:
 
 
 @dataclass(frozen=True)
-class SPOSSearch:
+class SPOSSearch(Searcher):
     """Generational evolution as in Single Path One-Shot (Guo et al., 2020): top-k parents, mutation, crossover.
 
     Generation 0 is ``population`` random architectures. Each later generation evaluates

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -16,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 
 import lightning_naspipe as lnp
-from helpers import EXAMPLES, QUIET, TOY_NETS, load_example
+from helpers import EXAMPLES, QUIET, TOY_NETS, load_example, toy_loader
 from lightning_naspipe.cli import _cli_class, _with_search
 from lightning_naspipe.namespaces import installed
 from lightning_naspipe.search_loop import read_log
@@ -85,6 +86,90 @@ def test_search_without_a_checkpoint_says_so(digits: ModuleType, tmp_path: Path)
     with pytest.raises(lnp.NASPipeConfigError, match="--ckpt_path"):
         digits.cli_main(["search", "--config", str(EXAMPLES / "digits.yaml"), "--trainer.devices", "1",
                          "--trainer.default_root_dir", str(tmp_path), *QUIET])
+
+
+class ToyData(L.LightningDataModule):
+    """The toy data as a datamodule, for a CLI of the toy net."""
+
+    def __init__(self, samples: int = 32) -> None:
+        super().__init__()
+        self.samples = samples
+
+    def train_dataloader(self) -> Any:
+        return toy_loader(self.samples)
+
+    def val_dataloader(self) -> Any:
+        return toy_loader(16, shuffle=False)
+
+
+#: A fit whose logger has a fixed version (its folder is the run's: metrics.csv, config.yaml).
+TOY_FIT = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 4
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args: {{save_dir: "{root}", name: "", version: ""}}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: "{root}", filename: supernet, enable_version_counter: false}}
+"""
+
+
+def _toy_cli(args: list[str]) -> Any:
+    # No save_config_kwargs: search must work with LightningCLI's defaults.
+    return lnp.naspipe_cli(TOY_NETS[L], ToyData, seed_everything_default=1, args=args)
+
+
+@pytest.fixture(scope="module")
+def toy_fit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of a toy fit run from a config file: its config.yaml, metrics.csv and supernet.ckpt."""
+    root = tmp_path_factory.mktemp("toy_fit")
+    (root / "fit.yaml").write_text(TOY_FIT.format(root=root))
+    argv, sys.argv = sys.argv, ["toy.py"]
+    try:
+        _toy_cli(["fit", "--config", str(root / "fit.yaml")])
+    finally:
+        sys.argv = argv
+    assert {"config.yaml", "metrics.csv", "supernet.ckpt"} <= {p.name for p in root.iterdir()}
+    return root
+
+
+@pytest.mark.usefixtures("clean_argv")
+def test_search_runs_on_the_config_fit_saved_and_leaves_fits_logs_alone(toy_fit: Path) -> None:
+    fits = {name: (toy_fit / name).read_bytes() for name in ("config.yaml", "metrics.csv")}
+    for _ in range(2):  # again, as a rerun or a resumed search would: its own config is replaced, not refused
+        cli = _toy_cli(["search", "--config", str(toy_fit / "config.yaml"),
+                        "--ckpt_path", str(toy_fit / "supernet.ckpt"),
+                        "--searcher", json.dumps({"class_path": "lightning_naspipe.GridSearch"})])
+        assert {name: (toy_fit / name).read_bytes() for name in fits} == fits
+    search = toy_fit / "search"  # the fixed version's search sub-folder
+    assert cli.trainer.log_dir == str(search) and (search / "search_config.yaml").is_file()
+    rows = (search / "metrics.csv").read_text().splitlines()
+    assert "search/score" in rows[0] and len(rows) == 1 + 9  # the toy space's 9 architectures, once
+
+
+@pytest.mark.usefixtures("clean_argv")
+@pytest.mark.parametrize("searcher", [
+    lnp.RandomSearch(3, seed=5), lnp.EvolutionSearch(population=3, sample_size=2, cycles=2, seed=1),
+    lnp.SPOSSearch(population=2, parents=1, mutations=1, crossovers=0, generations=2, seed=3), lnp.GridSearch(50),
+], ids=lambda searcher: type(searcher).__name__)
+def test_the_printed_search_config_reloads_with_every_searcher(toy_fit: Path, searcher: Any, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    spec = {"class_path": f"lightning_naspipe.{type(searcher).__name__}", "init_args": asdict(searcher)}
+    with pytest.raises(SystemExit):
+        _toy_cli(["search", "--config", str(toy_fit / "fit.yaml"), "--ckpt_path", str(toy_fit / "supernet.ckpt"),
+                  "--searcher", json.dumps(spec), "--log_path", str(tmp_path / "log.jsonl"), "--print_config"])
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    cli = _toy_cli(["search", "--config", str(printed)])
+    assert cli.config_init["search"]["searcher"] == searcher
+    assert len(read_log(tmp_path / "log.jsonl")) == {"RandomSearch": 3, "EvolutionSearch": 5, "SPOSSearch": 4,
+                                                      "GridSearch": 9}[type(searcher).__name__]
 
 
 @pytest.mark.usefixtures("clean_argv")
