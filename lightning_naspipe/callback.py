@@ -8,6 +8,7 @@ resume state in the checkpoint. The mixin attaches it through ``configure_callba
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning_naspipe.data import epoch_open, finish_last_window, reopen_epoch
@@ -35,6 +36,44 @@ class PipelineRunner(Protocol):
     def upcoming_batches(self, first_index: int) -> list[Any] | None: ...
 
 
+def keep_scheduler_monitors(module: Any) -> None:
+    """Make the module's next ``configure_optimizers`` call record the ``monitor`` of its LR schedulers.
+
+    Under manual optimization Lightning drops ``monitor`` from scheduler configs (and warns that it is
+    ignored), but NASPipe steps ``ReduceLROnPlateau`` itself (:class:`NASPipeCallback`). The wrapper is an
+    instance attribute that removes itself on its first call, so nothing stays on the module.
+    """
+    declared = type(module).configure_optimizers
+
+    def configure_optimizers() -> Any:
+        del module.__dict__["configure_optimizers"]
+        return _take_monitors(declared(module))
+
+    module.__dict__["configure_optimizers"] = configure_optimizers
+
+
+#: The monitor each LR scheduler was configured with, by scheduler object.
+_MONITORS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _take_monitors(config: Any) -> Any:
+    """``configure_optimizers``' output without ``monitor`` keys, each recorded in :data:`_MONITORS`."""
+    if isinstance(config, (list, tuple)):
+        return type(config)(_take_monitors(part) for part in config)
+    if not isinstance(config, dict) or "lr_scheduler" not in config:
+        return config
+    config, monitor = dict(config), config.get("monitor")
+    config.pop("monitor", None)
+    scheduler = config["lr_scheduler"]
+    if isinstance(scheduler, dict):
+        scheduler = dict(scheduler)
+        monitor = scheduler.pop("monitor", monitor)
+        config["lr_scheduler"] = scheduler
+    if monitor is not None:
+        _MONITORS[scheduler["scheduler"] if isinstance(scheduler, dict) else scheduler] = monitor
+    return config
+
+
 def validate_run(trainer: Any, module: object) -> None:
     """Raise :class:`NASPipeConfigError` for settings NASPipe cannot honour exactly.
 
@@ -47,6 +86,15 @@ def validate_run(trainer: Any, module: object) -> None:
             f"{trainer.world_size} processes: that strategy shards data or gradients in ways that break the "
             "subnet-by-subnet contract (it would train something else silently). Use Trainer(strategy=\"naspipe\", "
             "devices=N) for N pipeline stages, or one device."
+        )
+    from lightning_naspipe.mixin import NASPipeMixin  # (the mixin imports this module)
+
+    if getattr(type(module), "training_step", None) is not NASPipeMixin.training_step:
+        raise NASPipeConfigError(
+            f"{type(module).__name__} overrides training_step; NASPipe's own trains one subnet per batch (a window "
+            "of subnets per batch under strategy=\"naspipe\") and steps the optimizer per subnet. Remove it: put the "
+            "loss in compute_loss(output, batch), per-subnet work in on_train_subnet_end(index, architecture, "
+            "loss), and what the first block receives in pipeline_input(batch)."
         )
     if getattr(module, "automatic_optimization", False):
         raise NASPipeConfigError(
@@ -81,6 +129,9 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     """
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        for config in trainer.lr_scheduler_configs:  # the monitors Lightning dropped (keep_scheduler_monitors)
+            if config.monitor is None and config.scheduler in _MONITORS:
+                config.monitor = _MONITORS[config.scheduler]
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
             raise NASPipeConfigError(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
-from lightning_naspipe.callback import NASPipeCallback, PipelineRunner, validate_run
+from lightning_naspipe.callback import NASPipeCallback, PipelineRunner, keep_scheduler_monitors, validate_run
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.executor import Window
@@ -146,6 +146,8 @@ class NASPipeMixin:
         module: Any = self
         if module._trainer is not None:
             validate_run(module.trainer, self)  # before Lightning's own, less fitting, advice
+            if module.trainer.state.fn == "fit":
+                keep_scheduler_monitors(self)
         return [NASPipeCallback()]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:

@@ -144,3 +144,36 @@ def test_a_fraction_of_a_loader_without_length_is_refused_naming_the_fix() -> No
     with pytest.raises(NASPipeConfigError, match=r"limit_train_batches=0.5.*no length.*number of batches"):
         _fit(lnp.NASPipeStrategy(window=4), loader=torch.utils.data.DataLoader(Stream(), batch_size=8),
              max_epochs=1, limit_train_batches=0.5)
+
+
+class PlateauNet(ToyNet):  # type: ignore[misc, valid-type]
+    """Lightning's usual ReduceLROnPlateau config: the monitor beside the scheduler."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "epoch"},
+                "monitor": "val_loss"}
+
+
+def test_reduce_lr_on_plateau_monitoring_val_loss_steps_as_in_the_plain_run() -> None:
+    def fit(strategy: Any) -> tuple[dict[str, Any], float]:
+        pl.seed_everything(7, verbose=False)
+        model = PlateauNet()
+        trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, max_epochs=3) if strategy else trainer_kwargs(
+            max_epochs=3))
+        trainer.fit(model, toy_loader(), toy_loader(samples=16, shuffle=False))
+        return full_state(model, trainer), trainer.optimizers[0].param_groups[0]["lr"]
+
+    (plain, plain_lr), (piped, piped_lr) = fit(None), fit(lnp.NASPipeStrategy(window=4))
+    assert_same_state(plain, piped)
+    assert plain_lr == piped_lr < 0.05  # the plateau scheduler did reduce it
+
+
+def test_a_module_that_writes_its_own_training_step_is_refused_naming_compute_loss() -> None:
+    class OwnStep(ToyNet):  # type: ignore[misc, valid-type]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.compute_loss(self.supernet(batch[0], self.sample_subnet(batch_idx)), batch)
+
+    with pytest.raises(NASPipeConfigError, match=r"overrides training_step.*compute_loss"):
+        pl.Trainer(**trainer_kwargs(max_epochs=1)).fit(OwnStep(), toy_loader())
