@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from lightning_naspipe.clipping import hide_from_validator, restore
 from lightning_naspipe.data import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import installed
@@ -101,19 +102,24 @@ def validate_run(trainer: Any, module: object) -> None:
             f"{type(module).__name__} re-enables automatic optimization; NASPipe steps the optimizer once per "
             "subnet itself. Remove the automatic_optimization override."
         )
+    averaging = [c for c in trainer.callbacks
+                 if isinstance(c, tuple(ns.pytorch.callbacks.StochasticWeightAveraging for ns in installed()))]
+    if averaging:
+        raise NASPipeConfigError(
+            "StochasticWeightAveraging is not supported for supernets: it averages every weight of the module each "
+            "epoch and then re-trains an epoch with backward skipped to refresh BatchNorm, which needs automatic "
+            "optimization; NASPipe steps one subnet at a time. Use it when fine-tuning the exported subnet "
+            "(lnp.save_subnet, or supernet.freeze(architecture)) with a plain LightningModule."
+        )
     if trainer.accumulate_grad_batches != 1:
         raise NASPipeConfigError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: every batch "
             "trains its own subnet, so gradients cannot be accumulated across batches. Use a larger batch_size "
             "instead, and NASPipeStrategy(chunks=...) to split it into micro-batches if memory is tight."
         )
-    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val > 0:
-        raise NASPipeConfigError(
-            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported: norm clipping would "
-            "couple subnets and stages. Remove it; to clip, do it per element in your module's "
-            "on_before_optimizer_step, e.g. torch.nn.utils.clip_grad_value_(self.parameters(), 1.0), "
-            "which stays exact."
-        )
+    # Supported, exactly (clipping.py); Lightning's validator refuses it under manual optimization, so
+    # the value stays aside until NASPipeCallback.setup, which runs after the validator.
+    hide_from_validator(trainer)
 
 
 # Lightning's Callback holds no state and only no-op hooks, and Trainers check callbacks by type: one
@@ -150,7 +156,11 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 "supernet blocks. Move those modules into a Supernet block (a fixed block is fine)."
             )
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        restore(trainer)  # the gradient_clip_val validate_run set aside
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        restore(trainer)
         # Post the error before any exception callback may block, so a stage that lost this one
         # (rank 0 above all, the process the user watches) names the cause, not just the silence.
         engine = getattr(trainer.strategy, "engine", None)

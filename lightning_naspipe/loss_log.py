@@ -41,6 +41,8 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
     Call it from ``training_step`` with the whole window.
     """
     trainer = module.trainer
+    if trainer.barebones:  # Lightning logs nothing then (self.log only warns)
+        return
     epoch_loop = trainer.fit_loop.epoch_loop
     if not hasattr(epoch_loop, "_batches_that_stepped") or not hasattr(trainer, "_results"):
         raise NASPipeConfigError(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lightning_naspipe as lnp
-from helpers import ToyNet, assert_same_state, full_state, pl, toy_loader, trainer_kwargs
+from helpers import ToyNet, assert_same_state, full_state, pl, toy_loader, train, trainer_kwargs
 from lightning_naspipe.errors import NASPipeConfigError
 
 
@@ -130,7 +130,9 @@ def test_every_resume_point_continues_bitwise(tmp_path: Path, plain: dict[str, A
 
 @pytest.mark.parametrize("flags, match", [
     (dict(val_check_interval=0.5), r"val_check_interval=0.5.*window=1"),
-], ids=["val_check_interval-fraction"])
+    (dict(callbacks=[pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)]),
+     r"StochasticWeightAveraging is not supported.*fine-tuning the exported subnet"),
+], ids=["val_check_interval-fraction", "stochastic-weight-averaging"])
 def test_flags_that_cannot_be_exact_are_refused_before_training(flags: dict[str, Any], match: str) -> None:
     with pytest.raises(NASPipeConfigError, match=match):
         _fit(lnp.NASPipeStrategy(window=4), max_epochs=1, **flags)
@@ -177,3 +179,11 @@ def test_a_module_that_writes_its_own_training_step_is_refused_naming_compute_lo
 
     with pytest.raises(NASPipeConfigError, match=r"overrides training_step.*compute_loss"):
         pl.Trainer(**trainer_kwargs(max_epochs=1)).fit(OwnStep(), toy_loader())
+
+
+def test_barebones_trains_as_the_plain_run_and_logs_nothing() -> None:
+    flags = dict(barebones=True, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                 enable_model_summary=False, max_epochs=2)
+    plain_model, plain_trainer = train(**flags)
+    model, trainer = train(lnp.NASPipeStrategy(window=4), **flags)
+    assert_same_state(full_state(plain_model, plain_trainer), full_state(model, trainer))
