@@ -12,12 +12,17 @@ its own row of it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import torch
+
+from lightning_naspipe.clipping import UpdateClipping, clips_by_norm
 from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
+from lightning_naspipe.grad_norm import NormExchange
 from lightning_naspipe.lookahead import plan_step
 from lightning_naspipe.microbatch import split_batch
 from lightning_naspipe.optim import resource_parameters, restrict_param_groups, step_schedulers
@@ -35,6 +40,7 @@ from lightning_naspipe.schedule import (
 from lightning_naspipe.supernet import Resource, Supernet
 from lightning_naspipe.telemetry import StageTelemetry
 from lightning_naspipe.weight_grads import DeferralChooser, serialised
+
 
 @dataclass
 class WindowPlan:
@@ -67,13 +73,20 @@ class WindowPlan:
             actions = [a for a in actions if a.kind != UPDATE] + [a for a in actions if a.kind == UPDATE]
         return actions
 
+    def run_schedule(self) -> Schedule:
+        """The schedule with each stage's actions in the order it runs them (the order messages are sent)."""
+        if self.schedule_mode != "async":
+            return self.schedule
+        return replace(self.schedule, stages=tuple(tuple(self.actions(s)) for s in range(len(self.schedule.stages))))
+
 
 def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range], schedule_mode: str, chunks: int,
                 memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None, upcoming: Window | None = None,
-                done: frozenset[tuple[int, Action]] = frozenset()) -> WindowPlan:
+                done: frozenset[tuple[int, Action]] = frozenset(), norms: bool = False) -> WindowPlan:
     """Plan ``window``: each subnet's resources per stage and the schedule (pure: no processes, no
     tensors touched). ``memory_budget`` as for :class:`Engine`. With ``upcoming`` (the next window) or
-    ``done`` (this window's forwards run ahead), plan with lookahead (``"csp"`` only, no budget)."""
+    ``done`` (this window's forwards run ahead), plan with lookahead (``"csp"`` only, no budget).
+    ``norms``: updates exchange gradient norms (global-norm clipping, see :mod:`.grad_norm`)."""
     size = len(window.architectures)
     if upcoming is not None or done:
         if schedule_mode != "csp" or memory_budget is not None:
@@ -86,14 +99,14 @@ def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range
         def may_run_early(subnet: int, stage: int) -> bool:  # a forward may change buffers (BatchNorm)
             return not any(supernet.resource_state(r).buffers for r in resources[subnet][stage])
 
-        step = plan_step(resources, size, chunks, done, may_run_early)
+        step = plan_step(resources, size, chunks, done, may_run_early, norms)
         return WindowPlan(window, resources, step.schedule, schedule_mode, size, step.carried)
     planned = scheduling_resources(schedule_mode, resources)
     if memory_budget is not None:
         budget, sizes = memory_budget
         by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
         planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
-    return WindowPlan(window, resources, build_schedule(planned, chunks), schedule_mode, size)
+    return WindowPlan(window, resources, build_schedule(planned, chunks, norms=norms), schedule_mode, size)
 
 
 class BoundarySignals(Protocol):
@@ -141,6 +154,9 @@ class Engine:
         defer_weight_grads: compute a backward's weight gradients after sending its input gradients
             (see :mod:`.weight_grads`): ``None`` measures whether it pays (:class:`DeferralChooser`),
             ``True``/``False`` forces it. Results never depend on it.
+        clip_norms: plan a gradient-norm exchange in every update (several stages), so that a norm clip
+            is exact (see :mod:`.clipping`); ``None``: when the module's Trainer clips by norm or it
+            overrides ``configure_gradient_clipping`` (:func:`.clipping.clips_by_norm`).
     """
 
     def __init__(
@@ -155,6 +171,7 @@ class Engine:
         telemetry: StageTelemetry | None = None,
         lookahead: bool = False,
         defer_weight_grads: bool | None = None,
+        clip_norms: bool | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -179,6 +196,8 @@ class Engine:
         self.deferral = DeferralChooser(forced=defer_weight_grads)
         #: Windows this stage ran with its weight gradients deferred (see :mod:`.weight_grads`).
         self.windows_deferred = 0
+        self.clip_norms = clip_norms
+        self._clipping: UpdateClipping | None = None
 
     @property
     def blocks(self) -> range:
@@ -216,8 +235,9 @@ class Engine:
         looks_ahead = (self.lookahead and len(self.stage_blocks) > 1 and self.schedule == "csp"
                        and self.offloader is None and self.memory_budget is None)
         following = self._window(module, upcoming, first_index + len(batches)) if upcoming and looks_ahead else None
+        norms = len(self.stage_blocks) > 1 and (clips_by_norm(module) if self.clip_norms is None else self.clip_norms)
         return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule, self.chunks,
-                                                   self.memory_budget, following, done))
+                                                   self.memory_budget, following, done, norms))
 
     def drop_lookahead(self) -> None:
         """Forget the forwards run ahead for a next window that did not come (e.g. the epoch ended)."""
@@ -254,8 +274,9 @@ class Engine:
 
         if self.telemetry is not None:
             self.telemetry.begin_window()
+        self._clipping = self._update_clipping(module, plan.schedule.norms)
         if self.transport is not None:
-            self.transport.begin_window(plan.schedule, window.first_index)
+            self.transport.begin_window(plan.run_schedule(), window.first_index)
         start, waited = time.perf_counter(), getattr(self.transport, "wait_s", 0.0)
         executor.run(actions, window, update, residency.before_forward if residency else None)
         self.busy_s += time.perf_counter() - start - (getattr(self.transport, "wait_s", 0.0) - waited)
@@ -298,6 +319,19 @@ class Engine:
             output = self.transport.share(output)
         return output
 
+    def _update_clipping(self, module: EngineModule, norms: bool) -> UpdateClipping | None:
+        """How this window's updates clip; ``None`` where they need nothing (one stage, no clipping)."""
+        stages = len(self.stage_blocks)
+        if stages == 1 and not (getattr(module.trainer, "gradient_clip_val", None) or clips_by_norm(module)):
+            return None
+        transport, device = self.transport, getattr(self.transport, "device", torch.device("cpu"))
+
+        def exchange(index: int) -> NormExchange:
+            assert transport is not None
+            return NormExchange(transport, self.stage, stages, index, device)
+
+        return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
+
     def _executor(self, module: EngineModule, telemetry: StageTelemetry | None,
                   defer_weight_grads: bool = False) -> StageExecutor:
         return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
@@ -312,7 +346,9 @@ class Engine:
         assert not isinstance(optimizer, list)
         if self.offloader is not None:
             self.offloader.note_gradients(params)
-        with restrict_param_groups(optimizer.optimizer, params):
+        clipping = self._clipping
+        with (clipping.step(module, optimizer.optimizer, params, index) if clipping else contextlib.nullcontext()), \
+                restrict_param_groups(optimizer.optimizer, params):
             optimizer.step()
         for p in params:
             p.grad = None

@@ -55,6 +55,14 @@ class Transport(Protocol):
 
     def recv_value(self, stage: int) -> Any: ...
 
+    def send_norms(self, subnet: int, stage: int, value: Any) -> None:
+        """Send a neighbouring ``stage`` subnet ``subnet``'s gradient-norm message (see :mod:`.grad_norm`)."""
+        ...
+
+    def recv_norms(self, subnet: int, stage: int) -> Any:
+        """The gradient-norm message of subnet ``subnet`` from a neighbouring ``stage``."""
+        ...
+
 
 class StageModule(Protocol):
     """What the executor needs from the user's module (the mixin provides it)."""

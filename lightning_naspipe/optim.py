@@ -71,6 +71,22 @@ def _positions(optimizer: Optimizer, groups: list[list[Tensor]]) -> dict[int, tu
     return cached[1]
 
 
+def flat_positions(optimizer: Optimizer, params: Iterable[Tensor]) -> dict[int, int]:
+    """``id(p) -> p's position in the optimizer's param groups, concatenated`` for each of ``params`` in
+    the optimizer. Costs O(len(params)) while the groups keep their sizes; call it outside
+    :func:`restrict_param_groups`."""
+    groups = [group["params"] for group in optimizer.param_groups]
+    offsets = [0]
+    for group in groups:
+        offsets.append(offsets[-1] + len(group))
+    params = list(params)
+    located = _locate(params, groups, _positions(optimizer, groups))
+    if located is None:  # a parameter moved: index the groups again
+        _POSITIONS.pop(optimizer, None)
+        located = _locate(params, groups, _positions(optimizer, groups)) or []
+    return {id(p): offsets[g] + i for g, chosen in enumerate(located) for i, p in chosen}
+
+
 def module_parameters(modules: Iterable[nn.Module]) -> list[Tensor]:
     """Trainable parameters of ``modules``, each once."""
     seen: dict[int, Tensor] = {}

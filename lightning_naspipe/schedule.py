@@ -41,6 +41,7 @@ from types import MappingProxyType
 from lightning_naspipe.actions import (
     BACKWARD,
     FORWARD,
+    NORMS,
     UPDATE,
     Action,
     CostFn,
@@ -53,7 +54,7 @@ from lightning_naspipe.actions import (
 )
 from lightning_naspipe.schedule_rules import check_schedule, replay
 
-__all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "UPDATE", "Action", "DeadlockError", "Schedule", "ScheduleError",
+__all__ = ["BACKWARD", "FORWARD", "NORMS", "SCHEDULES", "UPDATE", "Action", "DeadlockError", "Schedule", "ScheduleError",
            "build_schedule", "check_schedule", "replay", "scheduling_resources"]
 
 # Heap rank of each kind: lower runs first (updates unblock CSP waiters, backward frees memory).

@@ -29,7 +29,7 @@ from lightning_naspipe.boundary import map_tensors
 from lightning_naspipe.distributed import broadcast_object
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.failures import FailureBoard, default_store
-from lightning_naspipe.schedule import Schedule
+from lightning_naspipe.schedule import NORMS, Schedule
 from lightning_naspipe.shm_links import SharedMemoryLinks, same_host
 from lightning_naspipe.stage_table import describe
 from lightning_naspipe.torch_links import IdleWork, TorchLinks
@@ -160,6 +160,16 @@ class P2PTransport:
 
     def recv_gradient(self, subnet: int, chunk: int) -> Any:
         return self._recv_for("backward", self.stage + 1, (subnet, chunk))
+
+    def send_norms(self, subnet: int, stage: int, value: Any) -> None:
+        """Send neighbour ``stage`` subnet ``subnet``'s norm message (see :mod:`.grad_norm`): it travels on
+        the link in the order of the schedule's updates (``Schedule.sends``)."""
+        self.links.send(stage, value)
+
+    def recv_norms(self, subnet: int, stage: int) -> Any:
+        """Neighbour ``stage``'s norm message of subnet ``subnet``."""
+        link = "forward" if stage == self.stage - 1 else "backward"
+        return self._recv_for(link, stage, (subnet, NORMS))
 
     def share(self, value: Any) -> Any:
         """The last stage's ``value`` (e.g. an evaluation output) on every stage."""

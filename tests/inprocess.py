@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_naspipe import wire
 from lightning_naspipe.engine import Engine, EngineModule
 from lightning_naspipe.executor import Window
-from lightning_naspipe.schedule import Schedule
+from lightning_naspipe.schedule import NORMS, Schedule
 
 
 class _World:
@@ -90,6 +90,12 @@ class LocalTransport:
     def send_value(self, stage: int, value: Any) -> None:
         self._put(stage, value)
 
+    def send_norms(self, subnet: int, stage: int, value: Any) -> None:
+        self._put(stage, value)
+
+    def recv_norms(self, subnet: int, stage: int) -> Any:
+        return self._take_for(stage, (subnet, NORMS))
+
     def recv_value(self, stage: int) -> Any:
         return self._take(stage)
 
@@ -105,15 +111,16 @@ class LocalTransport:
 def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches: Sequence[Any], window: int,
                     chunks: int = 1, schedule: str = "csp", lookahead: bool = True,
                     engines: list[Engine] | None = None, epoch_ends: Sequence[int] = (),
-                    defer_weight_grads: bool | None = None) -> list[Tensor]:
+                    defer_weight_grads: bool | None = None, clip_norms: bool | None = None) -> list[Tensor]:
     """Train ``batches`` through ``len(stage_blocks)`` stages in this process; the per-subnet losses.
     Each window is given the next one's batches, as the strategy does; ``engines`` (if given) is filled
     with the stage engines. Before each window starting at one of ``epoch_ends``, the window before
     was given other batches as its next (an epoch that ended early) and the lookahead is dropped.
-    ``defer_weight_grads`` as for :class:`~lightning_naspipe.engine.Engine`."""
+    ``defer_weight_grads`` and ``clip_norms`` as for :class:`~lightning_naspipe.engine.Engine`."""
     world = _World(len(stage_blocks))
     built = [Engine(stage_blocks, stage=s, chunks=chunks, transport=LocalTransport(world, s), schedule=schedule,
-                    lookahead=lookahead, defer_weight_grads=defer_weight_grads) for s in range(len(stage_blocks))]
+                    lookahead=lookahead, defer_weight_grads=defer_weight_grads, clip_norms=clip_norms)
+             for s in range(len(stage_blocks))]
     if engines is not None:
         engines[:] = built
     losses: list[Tensor] = []

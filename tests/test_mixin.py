@@ -86,12 +86,6 @@ def test_gradient_accumulation_is_refused_with_advice(strategy: str | None) -> N
         _fit(ToyNet(), strategy, accumulate_grad_batches=2)
 
 
-@pytest.mark.parametrize("strategy", [None, "naspipe"])
-def test_gradient_clipping_is_refused_with_advice(strategy: str | None) -> None:
-    with pytest.raises(lnp.NASPipeConfigError, match="clip_grad_value_"):
-        _fit(ToyNet(), strategy, gradient_clip_val=1.0)
-
-
 def test_setting_automatic_optimization_is_refused() -> None:
     model = ToyNet()
     model.automatic_optimization = False  # harmless
