@@ -65,6 +65,8 @@ def main() -> None:
                         help="what timing the first batch's blocks measures (records what it was timed on)")
     parser.add_argument("--every-n-steps", type=int, default=0,
                         help="also ModelCheckpoint(every_n_train_steps=N) into OUT.steps/, every checkpoint kept")
+    parser.add_argument("--clip-val", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--clip-algorithm", default=None, help="Trainer(gradient_clip_algorithm=...)")
     parser.add_argument("--force-rebalance", action="store_true",
                         help="check the balance every window and move the first stage cut there and back")
     args = parser.parse_args()
@@ -115,7 +117,7 @@ def main() -> None:
                                     rebalance_every=1 if args.force_rebalance else 16),
         devices=args.devices,
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,
-        **logging,
+        gradient_clip_val=args.clip_val, gradient_clip_algorithm=args.clip_algorithm, **logging,
     ))
     with open(f"{args.out}.pid{os.environ.get('LOCAL_RANK', '0')}", "w") as pid:
         pid.write(str(os.getpid()))

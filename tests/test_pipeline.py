@@ -93,6 +93,16 @@ def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, wi
         assert len(moves) >= stages * (24 // window)  # every rank, one move per window
 
 
+def test_norm_clipping_on_three_stages_equals_the_plain_trainer(tmp_path: Path, plain: dict) -> None:
+    """Trainer(gradient_clip_val=...) clips by the global norm of each subnet's gradients: the stages
+    exchange per-tensor norms in every update, and the result is the one-device run's, bit for bit."""
+    clipped = _plain_state(tmp_path, max_epochs=2, gradient_clip_val=0.2)
+    assert not all(torch.equal(clipped["model"][k], plain["model"][k]) for k in plain["model"]), "it clipped"
+    ckpt = _launch(tmp_path, "--devices", "3", "--window", "4", "--clip-val", "0.2")
+    assert_same_state(clipped, _state(ckpt))
+    _assert_every_rank_holds(clipped, ckpt, 3)
+
+
 def _assert_every_rank_holds(plain: dict, ckpt: Path, stages: int) -> None:
     """After fit every rank holds the full trained weights, and every stage process used one split
     (a timed split: rank 0's timing, broadcast)."""
