@@ -97,6 +97,8 @@ def validate_run(trainer: Any, module: object) -> None:
             "loss in compute_loss(output, batch), per-subnet work in on_train_subnet_end(index, architecture, "
             "loss), and what the first block receives in pipeline_input(batch)."
         )
+    if isinstance(trainer.strategy, PipelineRunner):
+        _refuse_batch_counted_triggers(trainer, getattr(trainer.strategy, "window", 1))
     if getattr(module, "automatic_optimization", False):
         raise NASPipeConfigError(
             f"{type(module).__name__} re-enables automatic optimization; NASPipe steps the optimizer once per "
@@ -120,6 +122,23 @@ def validate_run(trainer: Any, module: object) -> None:
     # Supported, exactly (clipping.py); Lightning's validator refuses it under manual optimization, so
     # the value stays aside until NASPipeCallback.setup, which runs after the validator.
     hide_from_validator(trainer)
+
+
+def _refuse_batch_counted_triggers(trainer: Any, window: int) -> None:
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and interval != 1.0:
+        raise NASPipeConfigError(
+            f"Trainer(val_check_interval={interval}) validates after a fraction of an epoch's Lightning batches, "
+            f"which are windows of subnets under NASPipeStrategy. Validate per epoch (check_val_every_n_epoch), "
+            "or every N subnets with NASPipeStrategy(window=1) and Trainer(val_check_interval=N)."
+        )
+    if window > 1 and isinstance(interval, int) and not isinstance(interval, bool):
+        raise NASPipeConfigError(
+            f"Trainer(val_check_interval={interval}) counts Lightning batches, which are windows of "
+            f"{window} subnets under NASPipeStrategy, so validation would not run every {interval} "
+            "subnets as in a plain run. Validate per epoch (check_val_every_n_epoch), or use "
+            "NASPipeStrategy(window=1)."
+        )
 
 
 # Lightning's Callback holds no state and only no-op hooks, and Trainers check callbacks by type: one
@@ -196,3 +215,13 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         tracker = getattr(trainer.strategy, "data_tracker", None)
         if tracker is not None and "data" in state:
             tracker.load_state_dict(state["data"])
+
+
+class StageWeightsSync(*_CALLBACK_BASES):  # type: ignore[misc]
+    """Put first among the callbacks of a multi-stage fit by ``NASPipeStrategy``: at each epoch's end every
+    stage gets every block's current weights (a collective) before any other callback or the module's own
+    ``on_train_epoch_end`` reads them, as on one device. Between epochs a stage keeps current weights only
+    for its own blocks."""
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        trainer.strategy.sync_weights()

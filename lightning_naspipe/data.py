@@ -281,6 +281,7 @@ class WindowLoader:
         self._source: Iterator[Any] | None = None  # this epoch's iterator of the user's loader
         self._unread: int | float = 0  # batches this epoch's iterator may still be read for
         self._ahead: deque[Any] = deque()  # batches read ahead, in order, not yet in a window
+        self._failure: Exception | None = None  # what the user's loader raised when read ahead
 
     # No ``__len__`` on purpose: Lightning then ends an epoch when the data runs out rather than
     # after a count of windows, which a resumed run (partial first window, another window size)
@@ -307,7 +308,7 @@ class WindowLoader:
             return iter(())
         skip, read = start
         iterator = iter(self.dataloader)
-        self._source, self._unread, self._ahead = iterator, length, deque()
+        self._source, self._unread, self._ahead, self._failure = iterator, length, deque(), None
         for _ in range(max(skip, read)):
             if not self._read_one():
                 break
@@ -348,14 +349,21 @@ class WindowLoader:
         A stage calls it while it waits for a message (see :mod:`.transport`): every stage reads every
         batch, and read there, the reading overlaps the wait instead of adding to the stage's time
         between windows. Batches come out of the same iterator in the same order, so windows are the
-        same. At most one window is read ahead, and never past a sized loader's end.
+        same. At most one window is read ahead, and never past a sized loader's end. An error of the
+        user's loader is kept and raised where a run without reading ahead meets it (the read for the
+        window that needs the batch), never in the middle of a window.
 
         Returns:
             Whether a batch was read (``False``: nothing to read now, or ``reads_ahead`` is off).
         """
-        if self._source is None or not self.reads_ahead or len(self._ahead) >= self.window or self._unread <= 0:
+        if (self._source is None or not self.reads_ahead or len(self._ahead) >= self.window or self._unread <= 0
+                or self._failure is not None):
             return False
-        if not self._read_one():
+        try:
+            if not self._read_one():
+                return False
+        except Exception as error:  # noqa: BLE001  # the user's loader; raised again by _read_one
+            self._failure = error
             return False
         self.read_ahead_count += 1
         return True
@@ -369,6 +377,9 @@ class WindowLoader:
 
     def _read_one(self) -> bool:
         assert self._source is not None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         try:
             self._ahead.append(next(self._source))
         except StopIteration:

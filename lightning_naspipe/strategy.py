@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_naspipe.arguments import check_all
 from lightning_naspipe.binding import bind_classes
+from lightning_naspipe.callback import StageWeightsSync
 from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.data import (
     DataTracker,
@@ -198,26 +199,7 @@ class NASPipeStrategy(StagePlacement):
                 f"{type(model).__name__} does not use the NASPipe mixin: declare it as "
                 f"class {type(model).__name__}(lightning_naspipe.NASPipeMixin, LightningModule)."
             )
-        trainer = getattr(model, "_trainer", None)
-        if trainer is not None:
-            self._refuse_batch_counted_triggers(trainer)
         super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
-
-    def _refuse_batch_counted_triggers(self, trainer: Any) -> None:
-        interval = trainer.val_check_interval
-        if isinstance(interval, float) and interval != 1.0:
-            raise NASPipeConfigError(
-                f"Trainer(val_check_interval={interval}) validates after a fraction of an epoch's Lightning batches, "
-                f"which are windows of subnets under NASPipeStrategy. Validate per epoch (check_val_every_n_epoch), "
-                "or every N subnets with NASPipeStrategy(window=1) and Trainer(val_check_interval=N)."
-            )
-        if self.window > 1 and isinstance(interval, int) and not isinstance(interval, bool):
-            raise NASPipeConfigError(
-                f"Trainer(val_check_interval={interval}) counts Lightning batches, which are windows of "
-                f"{self.window} subnets under NASPipeStrategy, so validation would not run every {interval} "
-                "subnets as in a plain run. Validate per epoch (check_val_every_n_epoch), or use "
-                "NASPipeStrategy(window=1)."
-            )
 
     def _trainer(self) -> Any:
         assert self.lightning_module is not None, "the strategy is connected to a module"
@@ -257,6 +239,9 @@ class NASPipeStrategy(StagePlacement):
         if self.offload:
             self._build_offloader()
         count_subnets(trainer.progress_bar_callback, self.data_tracker)
+        if self.world_size > 1 and trainer.training and not any(isinstance(c, StageWeightsSync)
+                                                                for c in trainer.callbacks):
+            trainer.callbacks.insert(0, StageWeightsSync())
         if self.world_size > 1:
             warnings.filterwarnings("ignore", message=_SYNC_ADVICE)  # the same filter once, however many fits
 

@@ -274,3 +274,23 @@ def test_an_abandoned_epoch_iterator_leaves_the_next_epochs_reading_alone() -> N
     assert next(current)[0].tolist() == [0]
     abandoned.close()  # as the garbage collector closes it
     assert windows.read_ahead()
+
+
+def test_an_error_of_the_users_loader_read_ahead_is_raised_where_the_window_needs_the_batch() -> None:
+    class Failing:
+        def __len__(self) -> int:
+            return 12
+
+        def __iter__(self) -> Any:
+            for item in range(12):
+                if item == 5:
+                    raise OSError("the disk went away")
+                yield torch.tensor([item])
+
+    loader = WindowLoader(Failing(), 4, DataTracker(lambda: _trainer()))  # type: ignore[arg-type]
+    windows = iter(loader)
+    assert [b.item() for b in next(windows)] == [0, 1, 2, 3]
+    # A stage waiting inside this window reads ahead: batch 4, then the failing read, kept for later.
+    assert loader.read_ahead() and not loader.read_ahead() and not loader.read_ahead()
+    with pytest.raises(OSError, match="the disk went away"):
+        next(windows)

@@ -1,0 +1,144 @@
+"""Lightning habits as scenarios: each fits ToyNet (or a variant) the way a user would, with a plain Trainer
+or under ``NASPipeStrategy``, and returns what must match: the full state and every logged point.
+
+test_usage.py runs them in process (one stage); usage_run.py runs them in several stage processes for
+test_usage_stages.py. A scenario that resumes fits twice: into a checkpoint, then from it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from helpers import ToyNet, full_state, pl, toy_loader, trainer_kwargs
+
+#: Makes the strategy of a run (``None``: the plain Trainer).
+StrategyFactory = Callable[[], Any]
+
+
+class Recorder(pl.loggers.Logger):  # type: ignore[misc]
+    """Keeps every logged point, to compare a run's metrics with the plain run's."""
+
+    name, version = "recorder", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class LoaderCrash(Exception):
+    """What CrashingLoader raises."""
+
+
+class CrashingLoader:
+    """A training loader that raises when it is read for its ``at``-th batch (counted over epochs)."""
+
+    def __init__(self, at: int) -> None:
+        self.loader, self.at, self.read = toy_loader(), at, 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            if self.read == self.at:
+                raise LoaderCrash(f"the data source failed at batch {self.at}")
+            self.read += 1
+            yield batch
+
+
+class PlateauNet(ToyNet):  # type: ignore[misc, valid-type]
+    """Lightning's usual ReduceLROnPlateau config: the monitor beside the scheduler."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "epoch"},
+                "monitor": "val_loss"}
+
+
+class EpochEndWeights(pl.Callback):  # type: ignore[misc]
+    """What a user's callback sees of the weights at each epoch's end (a sum per tensor, kept as rows)."""
+
+    def __init__(self) -> None:
+        self.sums: list[dict[str, float]] = []
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.sums.append({k: float(v.double().sum()) for k, v in pl_module.state_dict().items()})
+
+
+def fit(strategy: StrategyFactory, loader: Any = None, ckpt_path: Any = None, callbacks: tuple[Any, ...] = (),
+        model_class: type | None = None, **overrides: Any) -> dict[str, Any]:
+    """Fit with validation and a Recorder; the full state and logged rows (a loader crash is caught)."""
+    torch.set_num_threads(1)
+    pl.seed_everything(7, verbose=False)
+    model, logger = (model_class or ToyNet)(), Recorder()
+    kwargs = trainer_kwargs(logger=logger, log_every_n_steps=1, callbacks=list(callbacks), **overrides)
+    chosen = strategy()
+    if chosen is not None:
+        kwargs["strategy"] = chosen
+        kwargs["devices"] = int(os.environ.get("WORLD_SIZE", 1))  # every stage process of the launch
+    trainer = pl.Trainer(**kwargs)
+    try:
+        trainer.fit(model, loader if loader is not None else toy_loader(), toy_loader(samples=16, shuffle=False),
+                    ckpt_path=ckpt_path)
+    except LoaderCrash:
+        pass
+    return {**full_state(model, trainer), "rows": logger.rows}
+
+
+def every_12_steps(folder: Path) -> Any:
+    return pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_train_steps=12, save_top_k=-1, filename="{step}")
+
+
+#: Resume points: (callback making the checkpoint, loader, file, subnets trained before it, whether the
+#: epoch before it had validated). An epoch has 12 batches; a checkpoint in an epoch's last window comes
+#: before its validation.
+RESUME_POINTS: dict[str, tuple[Callable[[Path], Any], Callable[[], Any] | None, str, int, bool]] = {
+    "epoch's last window": (every_12_steps, None, "step=12.ckpt", 12, False),
+    "another epoch's last window": (every_12_steps, None, "step=24.ckpt", 24, False),
+    "exception at an epoch's first window": (pl.callbacks.OnExceptionCheckpoint, lambda: CrashingLoader(14),
+                                             "on_exception.ckpt", 12, True),
+    "exception mid-epoch": (pl.callbacks.OnExceptionCheckpoint, lambda: CrashingLoader(21), "on_exception.ckpt",
+                            16, True),
+    "last.ckpt after a loader crash": (lambda folder: pl.callbacks.ModelCheckpoint(dirpath=folder, save_last=True),
+                                       lambda: CrashingLoader(14), "last.ckpt", 12, True),
+}
+
+
+def resumed(strategy: StrategyFactory, point: str, folder: Path) -> dict[str, Any]:
+    """Fit into the checkpoint of resume point ``point``, then fit 3 epochs from it."""
+    callback, loader, name, step, _ = RESUME_POINTS[point]
+    fit(strategy, loader() if loader else None, callbacks=(callback(folder),), enable_checkpointing=True,
+        max_epochs=3)
+    assert torch.load(folder / name, weights_only=False)["global_step"] == step
+    return fit(strategy, ckpt_path=folder / name, max_epochs=3)
+
+
+def with_epoch_end_weights(strategy: StrategyFactory) -> dict[str, Any]:
+    watcher = EpochEndWeights()
+    return {**fit(strategy, callbacks=(watcher,), max_epochs=2), "epoch_end_weights": watcher.sums}
+
+
+#: Scenarios run the same way on one device and on several stages: name -> run(strategy, folder).
+SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
+    "three epochs": lambda strategy, folder: fit(strategy, max_epochs=3),
+    "limit_train_batches=5": lambda strategy, folder: fit(strategy, max_epochs=2, limit_train_batches=5),
+    "limit_train_batches=0.5": lambda strategy, folder: fit(strategy, max_epochs=2, limit_train_batches=0.5),
+    "overfit_batches=2": lambda strategy, folder: fit(strategy, max_epochs=2, overfit_batches=2),
+    "reload_dataloaders_every_n_epochs=1": lambda strategy, folder: fit(strategy, max_epochs=3,
+                                                                        reload_dataloaders_every_n_epochs=1),
+    "ReduceLROnPlateau(val_loss)": lambda strategy, folder: fit(strategy, max_epochs=3, model_class=PlateauNet),
+    "weights at epoch end": lambda strategy, folder: with_epoch_end_weights(strategy),
+    **{f"resume: {point}": (lambda strategy, folder, point=point: resumed(strategy, point, folder))
+       for point in RESUME_POINTS},
+}
