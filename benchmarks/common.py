@@ -78,13 +78,14 @@ def naspipe_strategy(cfg: dict[str, Any]) -> Any:
 
 
 def fit_timed(module: pl.LightningModule, data: Any, cfg: dict[str, Any], strategy: Any, devices: int,
-              subnets_per_step: int = 1) -> None:
+              subnets_per_step: int = 1, **trainer_kwargs: Any) -> None:
     """Train ``module`` for one epoch of ``data``; rank 0 writes throughput to ``cfg["out"]``, and
-    a NASPipe strategy's ``stage_metrics()`` (offload, telemetry) under ``"metrics"``."""
+    a NASPipe strategy's ``stage_metrics()`` (offload, telemetry) under ``"metrics"``. ``trainer_kwargs``
+    go to the Trainer (e.g. ``gradient_clip_val``)."""
     clock = Clock(cfg["warmup"], subnets_per_step)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock], **trainer_kwargs)
     trainer.fit(module, data)
     metrics = strategy.stage_metrics() if isinstance(strategy, lnp.NASPipeStrategy) else {}  # collective
     if trainer.global_rank == 0:

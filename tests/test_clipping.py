@@ -94,22 +94,30 @@ def _sequential(clip: str, data: list[Any], window: int, chunks: int) -> tuple[C
     return module, losses  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize(("clip", "ranges", "chunks"), [
-    ("norm", [range(0, 2), range(2, 5)], 1),
-    ("norm", [range(0, 1), range(1, 3), range(3, 5)], 2),
-    ("hand-written norm", [range(0, 3), range(3, 5)], 1),
-    ("hand-written value", [range(0, 2), range(2, 4), range(4, 5)], 2),
+@pytest.mark.parametrize(("clip", "ranges", "chunks", "choice_stem", "defer"), [
+    ("norm", [range(0, 2), range(2, 5)], 1, False, None),
+    ("norm", [range(0, 1), range(1, 3), range(3, 5)], 2, False, None),
+    ("norm", [range(0, 1), range(1, 3), range(3, 5)], 1, True, True),
+    ("hand-written norm", [range(0, 3), range(3, 5)], 1, False, None),
+    ("hand-written value", [range(0, 2), range(2, 4), range(4, 5)], 2, False, None),
 ])
-def test_clipping_on_stages_equals_one_device(clip: str, ranges: list[range], chunks: int) -> None:
+def test_clipping_on_stages_equals_one_device(monkeypatch: pytest.MonkeyPatch, clip: str, ranges: list[range],
+                                              chunks: int, choice_stem: bool, defer: bool | None) -> None:
     """Norm clipping over the optimizer's parameters (Lightning's clip_gradients) or over self.parameters()
-    (by hand) exchanges per-tensor norms between stages; value clipping clips this subnet's gradients only."""
+    (by hand) exchanges per-tensor norms between stages; value clipping clips this subnet's gradients only.
+    With a choice of stems the next window's forwards run in this one's drain (lookahead), and with
+    ``defer`` the later stages compute weight gradients after sending input gradients."""
+    if choice_stem:
+        monkeypatch.setenv("LNP_TEST_CHOICE_STEM", "1")
     data = _batches(12)
     reference, ref_losses = _sequential(clip, data, 4, chunks)
     module = ClippingModule(clip)
     engines: list[Engine] = []
     losses = train_pipelined(module, ranges, data, 4, chunks, engines=engines,  # type: ignore[arg-type]
-                             clip_norms="norm" in clip)
+                             defer_weight_grads=defer, clip_norms="norm" in clip)
     _assert_same(reference, ref_losses, module, losses)
+    if choice_stem:
+        assert engines[0].forwards_ahead > 0 and engines[1].windows_deferred > 0
     if "norm" in clip:
         assert sum(bool(total > MAX_NORM) for total in reference.totals) >= 10, "clipping scaled most updates"
         assert len(module.totals) == len(ranges) * len(data), "every stage clipped every subnet"
@@ -273,3 +281,17 @@ def test_which_runs_plan_a_norm_exchange() -> None:
     pl = NAMESPACES["pytorch_lightning"]
     assert _overrides_clipping(_variant(pl, "Custom", configure_gradient_clipping=lambda *args: None))
     assert not _overrides_clipping(TOY_NETS[pl])
+
+
+def test_the_async_baseline_sends_norm_messages_in_the_order_it_runs_its_updates() -> None:
+    """``schedule="async"`` moves every update to the window's end: the links carry the norm messages there."""
+    from lightning_naspipe.engine import plan_window
+    from lightning_naspipe.executor import Window
+    from lightning_naspipe.schedule import UPDATE, replay
+
+    supernet = ToyBody().supernet
+    window = Window(0, [uniform_architecture(supernet.labels, 1, i) for i in range(6)], [[(None, 1.0)]] * 6)
+    plan = plan_window(supernet, window, [range(0, 2), range(2, 4), range(4, 5)], "async", 1, norms=True)
+    run = plan.run_schedule()
+    assert all([a.kind for a in order][-6:] == [UPDATE] * 6 for order in run.stages)
+    replay(run, 3)

@@ -1,0 +1,94 @@
+"""What exact global-norm gradient clipping costs: the zoo's spaces, clipping on and off, side by side.
+
+For each space of ``zoo_spaces.py`` and each round, in a rotated order: the plain 1-device Trainer and
+``NASPipeStrategy()`` on 2 stages (every default, as in ``zoo.py``), each without clipping and with
+``Trainer(gradient_clip_val=1.0)`` (norm clipping). On one device clipping costs the norm and the
+multiply; on 2 stages each update also waits for the other stage's gradients of its subnet and
+exchanges the per-tensor norms (``lightning_naspipe.grad_norm``), so the last stage's update of a
+subnet comes after the first stage's backward of it. Ratios are taken within a round; the table gives
+the medians of ``clip / no clip`` (throughput) on each side and the milliseconds a subnet gains. Run
+from the repository root::
+
+    python benchmarks/clipping_cost.py --spaces charlm wide_mlp --repeats 2
+    python benchmarks/clipping_cost.py --quick      # smaller models, fewer subnets; a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import lightning_naspipe as lnp
+from common import add_common_args, fit_timed, launch, machine, ok, ran_as_worker, rate, write_json
+from zoo import config
+from zoo_spaces import SPACES, space
+
+CLIP = 1.0
+CONFIGS = ("1 device", "1 device, clip", "2 stages", "2 stages, clip")
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    chosen = space(cfg["space"], cfg["quick"])
+    strategy: Any = lnp.NASPipeStrategy(chunks=chosen.chunks) if cfg["stages"] else "auto"
+    fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, max(cfg["stages"], 1),
+              gradient_clip_val=cfg["clip"])
+
+
+def run(name: str, space_name: str, quick: bool) -> Any:
+    cfg = config(space(space_name, quick), quick, 2 if name.startswith("2") else 0)
+    cfg["clip"] = CLIP if name.endswith("clip") else None
+    return launch(__file__, cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--spaces", nargs="+", choices=list(SPACES), default=list(SPACES))
+    parser.add_argument("--quick", action="store_true", help="smaller models, fewer subnets")
+    add_common_args(parser)
+    parser.set_defaults(repeats=2)
+    args = parser.parse_args()
+    if ran_as_worker(args, worker):
+        return
+    print(f"Trainer(gradient_clip_val={CLIP}) against none, 1 device and 2 stages, defaults otherwise; {machine()}")
+    found: dict[str, list[dict[str, Any]]] = {name: [] for name in args.spaces}
+    for r in range(args.repeats):
+        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        for name in args.spaces:
+            results = {c: run(c, name, args.quick) for c in order}
+            found[name].append(results)
+            print(f"[round {r + 1}/{args.repeats}] {name}: "
+                  + ", ".join(f"{c} {rate(results[c]):.2f}" for c in CONFIGS) + " subnets/s", flush=True)
+    print(f"\n{'space':<14}{'1 dev clip/no':>14}{'+ms/subnet':>12}{'2 st clip/no':>14}{'+ms/subnet':>12}"
+          f"{'2 st/1 dev':>12}{'with clip':>11}")
+    summary: dict[str, Any] = {}
+    for name, rounds in found.items():
+        good = [r for r in rounds if all(ok(r[c]) for c in CONFIGS)]
+        if not good:
+            print(f"{name:<14}failed: {[r[c].get('error') for r in rounds for c in CONFIGS if not ok(r[c])][:1]}")
+            continue
+
+        def median(numerator: str, denominator: str, rounds: list[dict[str, Any]] = good) -> float:
+            return statistics.median(rate(r[numerator]) / rate(r[denominator]) for r in rounds)
+
+        def extra_ms(clipped: str, plain: str, rounds: list[dict[str, Any]] = good) -> float:
+            return statistics.median(1e3 / rate(r[clipped]) - 1e3 / rate(r[plain]) for r in rounds)
+
+        summary[name] = row = {
+            "one_device_clip_over_none": median("1 device, clip", "1 device"),
+            "one_device_ms": extra_ms("1 device, clip", "1 device"),
+            "stages_clip_over_none": median("2 stages, clip", "2 stages"),
+            "stages_ms": extra_ms("2 stages, clip", "2 stages"),
+            "stages_over_one_device": median("2 stages", "1 device"),
+            "stages_over_one_device_clipped": median("2 stages, clip", "1 device, clip"),
+            "rounds": good,
+        }
+        print(f"{name:<14}{row['one_device_clip_over_none']:>13.2f}x{row['one_device_ms']:>12.2f}"
+              f"{row['stages_clip_over_none']:>13.2f}x{row['stages_ms']:>12.2f}"
+              f"{row['stages_over_one_device']:>11.2f}x{row['stages_over_one_device_clipped']:>10.2f}x")
+    if args.json:
+        write_json(args.json, {"machine": machine(), "clip": CLIP, "quick": args.quick, "spaces": summary})
+
+
+if __name__ == "__main__":
+    main()
