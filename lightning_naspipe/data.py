@@ -149,6 +149,10 @@ class DataTracker:
             self._set_states(self._after_skip["rng"], self._after_skip.get("generators", []))
             self._after_skip = None
 
+    def end_epoch_at(self, position: int) -> None:
+        """The epoch ends after its first ``position`` subnets (``on_train_batch_start`` returned -1)."""
+        self._yielded, self._exhausted = position, True
+
     def read(self) -> None:
         """One more batch was read from this epoch's iterator."""
         self._read += 1

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.arguments import check_all
+from lightning_naspipe.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
 from lightning_naspipe.binding import bind_classes
 from lightning_naspipe.callback import StageWeightsSync
 from lightning_naspipe.block_timing import agreed_timed_weights
@@ -239,6 +240,8 @@ class NASPipeStrategy(StagePlacement):
         if self.offload:
             self._build_offloader()
         count_subnets(trainer.progress_bar_callback, self.data_tracker)
+        if trainer.training:
+            call_per_subnet_batch(self.lightning_module, self.data_tracker)
         if self.world_size > 1 and trainer.training and not any(isinstance(c, StageWeightsSync)
                                                                 for c in trainer.callbacks):
             trainer.callbacks.insert(0, StageWeightsSync())
@@ -285,7 +288,8 @@ class NASPipeStrategy(StagePlacement):
         if not upcoming:
             return None
         self._ahead_for = (self._batch_at[0], self._batch_at[1] + 1)
-        return list(self.batch_to_device(upcoming))
+        # What Lightning does to a batch before training_step (transfer hooks, if overridden, turn lookahead off).
+        return list(self.batch_to_device(self.precision_plugin.convert_input(upcoming)))
 
     def _read_ahead(self) -> bool:
         return self._loader is not None and self._loader.read_ahead()
@@ -316,6 +320,7 @@ class NASPipeStrategy(StagePlacement):
         supernet = getattr(self.lightning_module, "supernet", None)
         if supernet is not None:
             supernet.local_blocks = None
+            stop_calling_per_subnet_batch(self.lightning_module)
         if self._train_limit is not None and self.lightning_module is not None:
             self.lightning_module.trainer.limit_train_batches = self._train_limit
             self._train_limit = None

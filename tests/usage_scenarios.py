@@ -66,6 +66,24 @@ class PlateauNet(ToyNet):  # type: ignore[misc, valid-type]
                 "monitor": "val_loss"}
 
 
+class LoggingNet(ToyNet):  # type: ignore[misc, valid-type]
+    """Logs from ``compute_loss``, as users do: a per-step accuracy and an epoch-mean one."""
+
+    def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        accuracy = (output.argmax(-1) == batch[1]).float().mean()
+        if self.trainer.training:
+            self.log("train_acc", accuracy)
+            self.log("train_acc_mean", accuracy, on_step=False, on_epoch=True, batch_size=len(batch[1]))
+        return super().compute_loss(output, batch)
+
+
+class SkipsRestOfEpoch(ToyNet):  # type: ignore[misc, valid-type]
+    """Ends each epoch after 5 batches by returning -1 from on_train_batch_start."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if batch_idx >= 5 else None
+
+
 class EpochEndWeights(pl.Callback):  # type: ignore[misc]
     """What a user's callback sees of the weights at each epoch's end (a sum per tensor, kept as rows)."""
 
@@ -139,6 +157,12 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
                                                                         reload_dataloaders_every_n_epochs=1),
     "ReduceLROnPlateau(val_loss)": lambda strategy, folder: fit(strategy, max_epochs=3, model_class=PlateauNet),
     "weights at epoch end": lambda strategy, folder: with_epoch_end_weights(strategy),
+    "self.log in compute_loss": lambda strategy, folder: fit(strategy, max_epochs=2, model_class=LoggingNet),
+    "LearningRateMonitor": lambda strategy, folder: fit(strategy, max_epochs=2, callbacks=(
+        pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
+    "precision=64-true": lambda strategy, folder: fit(strategy, max_epochs=1, precision="64-true"),
+    "on_train_batch_start returns -1": lambda strategy, folder: fit(strategy, max_epochs=2,
+                                                                    model_class=SkipsRestOfEpoch),
     **{f"resume: {point}": (lambda strategy, folder, point=point: resumed(strategy, point, folder))
        for point in RESUME_POINTS},
 }
