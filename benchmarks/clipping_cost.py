@@ -20,7 +20,7 @@ import statistics
 from typing import Any
 
 import lightning_naspipe as lnp
-from common import add_common_args, fit_timed, launch, machine, ok, ran_as_worker, rate, write_json
+from common import add_common_args, fit_timed, launch, machine, ok, ran_as_worker, rate, rotated_rounds, write_json
 from zoo import config
 from zoo_spaces import SPACES, space
 
@@ -51,14 +51,7 @@ def main() -> None:
     if ran_as_worker(args, worker):
         return
     print(f"Trainer(gradient_clip_val={CLIP}) against none, 1 device and 2 stages, defaults otherwise; {machine()}")
-    found: dict[str, list[dict[str, Any]]] = {name: [] for name in args.spaces}
-    for r in range(args.repeats):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-        for name in args.spaces:
-            results = {c: run(c, name, args.quick) for c in order}
-            found[name].append(results)
-            print(f"[round {r + 1}/{args.repeats}] {name}: "
-                  + ", ".join(f"{c} {rate(results[c]):.2f}" for c in CONFIGS) + " subnets/s", flush=True)
+    found = rotated_rounds(CONFIGS, args.spaces, args.repeats, lambda c, name: run(c, name, args.quick))
     print(f"\n{'space':<14}{'1 dev clip/no':>14}{'+ms/subnet':>12}{'2 st clip/no':>14}{'+ms/subnet':>12}"
           f"{'2 st/1 dev':>12}{'with clip':>11}")
     summary: dict[str, Any] = {}

@@ -95,6 +95,21 @@ def fit_timed(module: pl.LightningModule, data: Any, cfg: dict[str, Any], strate
                        "metrics": metrics}, f)
 
 
+def rotated_rounds(configs: Sequence[str], spaces: Sequence[str], repeats: int,
+                   run: Callable[[str, str], Result]) -> dict[str, list[dict[str, Result]]]:
+    """``repeats`` rounds; in each, ``run(configuration, space)`` for every configuration of every space, the
+    order of the configurations rotated per round (so none always runs first). Prints each round's rates."""
+    found: dict[str, list[dict[str, Result]]] = {name: [] for name in spaces}
+    for r in range(repeats):
+        order = [*configs[r % len(configs):], *configs[:r % len(configs)]]
+        for name in spaces:
+            results = {c: run(c, name) for c in order}
+            found[name].append(results)
+            print(f"[round {r + 1}/{repeats}] {name}: "
+                  + ", ".join(f"{c} {rate(results[c]):.2f}" for c in configs) + " subnets/s", flush=True)
+    return found
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Flags every benchmark has: repeats, plot path, and the hidden worker mode."""
     parser.add_argument("--repeats", type=int, default=1, help="runs per configuration; the best is reported")

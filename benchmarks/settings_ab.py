@@ -19,7 +19,7 @@ import math
 import statistics
 from typing import Any
 
-from common import add_common_args, launch, machine, ran_as_worker, rate, ratio, write_json
+from common import add_common_args, launch, machine, ran_as_worker, ratio, rotated_rounds, write_json
 from zoo import config, worker
 from zoo_spaces import SPACES, space
 
@@ -61,14 +61,7 @@ def main() -> None:
         parse_setting(text)
     configs = (BASE, DEFAULT, *args.setting)
     print(f"{', '.join(args.setting)} against the default, 2 stages, default settings otherwise; {machine()}")
-    found: dict[str, list[dict[str, Any]]] = {name: [] for name in args.spaces}
-    for r in range(args.repeats):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
-        for name in args.spaces:
-            results = {c: run(c, name, args.quick) for c in order}
-            found[name].append(results)
-            print(f"[round {r + 1}/{args.repeats}] {name}: "
-                  + ", ".join(f"{c} {rate(results[c]):.2f}" for c in configs) + " subnets/s", flush=True)
+    found = rotated_rounds(configs, args.spaces, args.repeats, lambda c, name: run(c, name, args.quick))
     print(f"\n{'space':<14}{'configuration':<34}{'/1 device':>10}{'best':>7}{'default/it':>12}{'best':>7}")
     summary: dict[str, Any] = {}
     for name, rounds in found.items():

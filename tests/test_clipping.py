@@ -16,23 +16,21 @@ from helpers import NAMESPACES, TOY_NETS, ToyBody, toy_loader, train
 from inprocess import train_pipelined
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.sampling import uniform_architecture
+from test_engine import FakeModule
 
 MAX_NORM = 0.2  # below most subnets' gradient norm on ToyNet: clipping scales most updates
 CLIP_VALUE = 0.02
 
 
-class ClippingModule:
+class ClippingModule(FakeModule):
     """ToyNet's supernet (stem, head, BatchNorm, dropout) with Adam, stepped as Lightning's precision plugin
     steps: the ``on_before_optimizer_step`` hooks clip (``clip`` says how), then the optimizer steps. Stage
     threads share it (tests/inprocess.py), so each keeps an optimizer of its own, over every parameter."""
 
-    naspipe_seed = 5
-
     def __init__(self, clip: str) -> None:
         torch.manual_seed(0)
-        self.supernet = ToyBody().supernet
+        super().__init__(ToyBody().supernet)
         self.clip = clip
-        self.trainer = SimpleNamespace(lr_scheduler_configs=[], callback_metrics={})
         self.stage_optimizers: dict[int, torch.optim.Optimizer] = {}
         self.totals: list[torch.Tensor] = []
 
@@ -50,18 +48,6 @@ class ClippingModule:
         elif self.clip == "hand-written value":
             torch.nn.utils.clip_grad_value_(self.supernet.parameters(), CLIP_VALUE)
         optimizer.step()
-
-    def sample_subnet(self, index: int) -> dict[str, int]:
-        return uniform_architecture(self.supernet.labels, self.naspipe_seed, index)
-
-    def pipeline_input(self, batch: Any) -> Any:
-        return batch[0]
-
-    def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return nn.functional.cross_entropy(output, batch[1])
-
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
 
     def optimizer_state(self) -> dict[int, dict[str, torch.Tensor]]:
         merged: dict[int, dict[str, torch.Tensor]] = {}
