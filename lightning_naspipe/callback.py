@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from lightning_naspipe.clipping import hide_from_validator, restore
 from lightning_naspipe.data import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
 from lightning_naspipe.namespaces import installed
 from lightning_naspipe.optim import step_schedulers
 from lightning_naspipe.supernet import supernet_of
@@ -188,6 +189,7 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             failures.post(exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        finish_resumed_epoch_sum(pl_module, trainer)
         step_schedulers(trainer.lr_scheduler_configs, "epoch", trainer.current_epoch + 1, trainer.callback_metrics)
 
     def on_save_checkpoint(
@@ -200,6 +202,8 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             if not data["finished"] and trainer.current_epoch > data["epoch"]:
                 reopen_epoch(checkpoint, data["epoch"])
             data["epoch_open"] = epoch_open(checkpoint)
+            if data["epoch_open"]:
+                state["train_loss_sum"] = epoch_loss_sum(trainer)
             # _should_check_val_epoch (private, Lightning 2.6): whether the epoch validates at its end.
             if data["finished"] and data["epoch_open"]:
                 finish_last_window(checkpoint, trainer.fit_loop.epoch_loop._should_check_val_epoch())
@@ -212,6 +216,8 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         if not state:
             return
         pl_module.naspipe_seed = state["seed"]
+        if state.get("train_loss_sum") is not None:  # continued by the resumed epoch's first logged loss
+            pl_module.__dict__[RESUMED_SUM] = state["train_loss_sum"]
         tracker = getattr(trainer.strategy, "data_tracker", None)
         if tracker is not None and "data" in state:
             tracker.load_state_dict(state["data"])

@@ -60,6 +60,8 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
         if key is None:
             module.log(TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_sizes[k])
             key = _result_key(trainer._results, TRAIN_LOSS)
+            if _continue_epoch_sum(module, trainer._results[key]):
+                trainer._results.update_metrics(key, loss, batch_sizes[k])
         else:  # what self.log does for a metric already registered, without its per-call overhead
             trainer._results.update_metrics(key, loss, batch_sizes[k])
         # Lightning writes the window's last value itself (below); the others go to the loggers here.
@@ -69,6 +71,45 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
     if logged:
         # Lightning adds one after the batch: the loggers' step axis counts subnets, as in the plain run.
         epoch_loop._batches_that_stepped = first_index + logged[-1][0]
+
+
+#: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.
+RESUMED_SUM = "_naspipe_resumed_loss_sum"
+
+
+def epoch_loss_sum(trainer: Any) -> dict[str, Tensor] | None:
+    """The running sum behind ``train_loss_epoch`` (and its batch count) so far this epoch, for a checkpoint
+    written inside the epoch: Lightning does not save it, and a run resumed there would average only the
+    subnets after the checkpoint."""
+    results = trainer.fit_loop.epoch_loop._results  # the training loop's, also while validation runs
+    metric = results.get(f"training_step.{TRAIN_LOSS}")
+    if metric is None or metric.has_reset:
+        return None
+    return {"value": metric.value.clone(), "cumulated_batch_size": metric.cumulated_batch_size.clone()}
+
+
+def _continue_epoch_sum(module: Any, metric: Any) -> bool:
+    """Put a resumed run's saved sum (:func:`epoch_loss_sum`) into ``metric``, just registered by this
+    epoch's first ``self.log``, so that it goes on from it; whether it did (then log the value again)."""
+    saved = module.__dict__.pop(RESUMED_SUM, None)
+    if saved is None:
+        return False
+    metric.value, metric.cumulated_batch_size = saved["value"].clone(), saved["cumulated_batch_size"].clone()
+    return True
+
+
+def finish_resumed_epoch_sum(module: Any, trainer: Any) -> None:
+    """At the end of a resumed epoch that trained no subnet after the checkpoint, register the saved sum
+    so that Lightning logs ``train_loss_epoch`` as the uninterrupted run does."""
+    saved = module.__dict__.get(RESUMED_SUM)
+    if saved is None or trainer.barebones:
+        return
+    hook, module._current_fx_name = module._current_fx_name, "training_step"  # registered as training_step's
+    try:
+        module.log(TRAIN_LOSS, saved["value"].clone(), prog_bar=True, on_step=True, on_epoch=True, batch_size=1)
+    finally:
+        module._current_fx_name = hook
+    _continue_epoch_sum(module, trainer.fit_loop.epoch_loop._results[f"training_step.{TRAIN_LOSS}"])
 
 
 def _registered_key(module: Any, trainer: Any) -> str | None:

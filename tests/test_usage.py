@@ -22,16 +22,16 @@ from usage_scenarios import RESUME_POINTS, SCENARIOS, fit
 
 def _same_as(reference: dict[str, Any], run: dict[str, Any], from_step: int = 0, validated: bool = True) -> None:
     """``run`` (perhaps resumed at ``from_step``) ends bitwise where ``reference`` does, with the same
-    per-subnet losses and validation points from ``from_step`` on (and the one at ``from_step - 1``, the
-    last subnet's, unless it was ``validated`` before the checkpoint)."""
+    per-subnet losses, validation points and epoch means of the training loss from ``from_step`` on (and
+    those at ``from_step - 1``, the last subnet's, unless its epoch ``validated`` before the checkpoint)."""
     expected = {**reference, "losses": {k: v for k, v in reference["losses"].items() if k >= from_step}}
     assert_same_state(expected, run)
     first = from_step if validated else from_step - 1
 
-    def validation(rows: list[Any]) -> list[Any]:
-        return [row for row in rows if "val_loss" in row[1] and row[0] >= first]
+    def epoch_points(rows: list[Any]) -> list[Any]:
+        return [row for row in rows if row[0] >= first and ("val_loss" in row[1] or "train_loss_epoch" in row[1])]
 
-    assert validation(run["rows"]) == validation(reference["rows"]) != []
+    assert epoch_points(run["rows"]) == epoch_points(reference["rows"]) != []
 
 
 @pytest.fixture(scope="module")
