@@ -285,7 +285,7 @@ class Engine:
         if residency is not None:
             residency.finish()
         own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size])
-        own.losses = window.losses[:plan.size]
+        own.losses, own.records = window.losses[:plan.size], window.records
         if plan.size < len(window.architectures):
             following = Window(window.first_index + plan.size, window.architectures[plan.size:],
                                window.pieces[plan.size:])
@@ -294,7 +294,7 @@ class Engine:
         if self.transport is not None:
             self.transport.end_window()
             flags = self.signals.flags() if self.signals is not None else ()
-            losses, agreed = self.transport.share_window_end(own.losses, flags)
+            losses, agreed, own.records = self.transport.share_window_end(own.losses, flags, own.records)
             own.losses = list(losses)
             if self.signals is not None:
                 self.signals.agreed(agreed)

@@ -10,6 +10,7 @@ only the :class:`Transport` between stages differs, so the two paths cannot drif
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 import time
 from typing import Any, Protocol
@@ -28,6 +29,15 @@ from lightning_naspipe.weight_grads import DeferredWeights
 # Randomness key of evaluation forwards: apart from every training subnet's (indices are >= 0).
 EVALUATION_INDEX = -1
 
+_LOSS_CONTEXT: ContextVar[tuple[int, list[Any]] | None] = ContextVar("naspipe_loss_context", default=None)
+
+
+def loss_context() -> tuple[int, list[Any]] | None:
+    """While a training window's ``compute_loss`` runs: the subnet's global index and the window's
+    :attr:`Window.records`, where the caller (the mixin's ``self.log``) may record what the plain run
+    would do in that subnet's own step; ``None`` elsewhere."""
+    return _LOSS_CONTEXT.get()
+
 
 class Transport(Protocol):
     """Moves activations to the next stage and gradients to the previous one (see ``transport.py``)."""
@@ -40,8 +50,10 @@ class Transport(Protocol):
 
     def share(self, value: Any) -> Any: ...
 
-    def share_window_end(self, losses: Sequence[Tensor | None],
-                         flags: Sequence[int]) -> tuple[list[Tensor], list[int]]: ...
+    def share_window_end(self, losses: Sequence[Tensor | None], flags: Sequence[int],
+                         records: list[Any] | None = None) -> tuple[list[Tensor], list[int], list[Any]]:
+        """The last stage's losses and ``records``, and the flags the stages agree on, on every stage."""
+        ...
 
     def send_activation(self, subnet: int, chunk: int, value: Any) -> None: ...
 
@@ -86,12 +98,15 @@ class Window:
         pieces: per subnet, its ``(micro-batch, weight)`` pairs.
         losses: per subnet, its loss (the weighted sum of its micro-batch losses); filled on
             the last stage only.
+        records: what ``compute_loss`` recorded on the last stage (see :func:`loss_context`), in the
+            order it ran; after :meth:`.Engine.run_window`, the last stage's on every stage.
     """
 
     first_index: int
     architectures: list[Architecture]
     pieces: list[list[tuple[Any, float]]]
     losses: list[Tensor | None] = field(default_factory=list)
+    records: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.losses = [None] * len(self.architectures)
@@ -212,7 +227,11 @@ class StageExecutor:
         saved = list(self._run_blocks(x, window.architectures[k], index, c))
         y = saved[-1][1]
         if self.is_last:
-            loss = self.module.compute_loss(y, piece)
+            token = _LOSS_CONTEXT.set((index, window.records))
+            try:
+                loss = self.module.compute_loss(y, piece)
+            finally:
+                _LOSS_CONTEXT.reset(token)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 raise TypeError(f"compute_loss must return a scalar tensor, got {_describe(loss)}.")
             if len(window.pieces[k]) > 1:

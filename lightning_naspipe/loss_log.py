@@ -7,17 +7,20 @@ batch-size-weighted mean over the epoch. :func:`log_window_losses` gives the sam
 
 - the epoch mean is accumulated subnet by subnet, in the same order and arithmetic as
   ``self.log`` (Lightning's result metric ``value + loss * batch_size``), so it is bitwise equal;
-- loggers get each subnet's point at its own step, and Lightning's step counter for loggers
-  (``_batches_that_stepped``) counts subnets, so the window's last point, Lightning's own epoch
-  point and every other step-axis value line up with the plain run's.
+- what the user's ``compute_loss`` logs (on the last stage, recorded and carried to every stage with
+  the losses) is logged again in each subnet's turn, through ``self.log``, with that subnet's batch;
+- loggers get each subnet's point at its own step, through Lightning's own batch-end logging, and
+  Lightning's step counter for loggers (``_batches_that_stepped``) counts subnets, so the window's last
+  point, Lightning's own epoch point and every other step-axis value line up with the plain run's.
 
 Cost: a few tensor operations per subnet. ``self.log`` runs once per epoch (it registers the metric
 and, at an epoch's first batch, resets it); later windows update the registered metric as ``self.log``
 would, without its per-call work (0.5-1.4 ms per call, mostly walking the metric to move it to the
 device it is already on), which every stage process paid once per window.
 
-Private Lightning API used (see docs/design.md): ``trainer._results.update_metrics``,
-``trainer._logger_connector.log_metrics``, ``should_reset_tensors`` and ``_current_fx``, and
+Private Lightning API used (see docs/design.md): ``trainer._results`` (``update_metrics``, ``batch``,
+``batch_size``), ``trainer._logger_connector`` (``on_batch_start``, ``should_update_logs``,
+``update_train_step_metrics``, ``should_reset_tensors``, ``_current_fx``), and
 ``fit_loop.epoch_loop._batches_that_stepped``.
 """
 
@@ -33,10 +36,12 @@ from lightning_naspipe.errors import NASPipeConfigError
 TRAIN_LOSS = "train_loss"
 
 
-def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | None],
-                      batch_sizes: Sequence[int]) -> None:
-    """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) as the plain
-    Trainer would have in ``first_index + k``'s own training step; ``None`` entries are skipped.
+def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | None], batches: Sequence[Any],
+                      batch_sizes: Sequence[int], records: Sequence[Any] = ()) -> None:
+    """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) and what its
+    ``compute_loss`` logged (``records``: ``(index, name, value, args, kwargs)`` of each ``self.log`` call,
+    see :class:`~lightning_naspipe.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
+    own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped.
 
     Call it from ``training_step`` with the whole window.
     """
@@ -50,27 +55,33 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
             "fit_loop.epoch_loop._batches_that_stepped or trainer._results); install a supported version "
             "(see pyproject.toml)."
         )
+    connector, results = trainer._logger_connector, trainer._results
     key = _registered_key(module, trainer)
     if key is not None:
-        trainer._logger_connector._current_fx = module._current_fx_name  # as self.log leaves it
-    every = trainer.log_every_n_steps
+        connector._current_fx = module._current_fx_name  # as self.log leaves it
     logged = [(k, loss) for k, loss in enumerate(losses) if loss is not None]
+    by_subnet: dict[int, list[Any]] = {}
+    for record in records:
+        by_subnet.setdefault(record[0], []).append(record)
     for position, (k, loss) in enumerate(logged):
         index = first_index + k
+        if position:  # a batch of its own in the plain run (Lightning started the window's first)
+            connector.on_batch_start(batches[k])
+        else:
+            results.batch, results.batch_size = batches[k], None
+        epoch_loop._batches_that_stepped = index  # the loggers' step axis counts subnets, as in the plain run
+        for _, name, value, args, kwargs in by_subnet.get(index, ()):
+            module.log(name, value, *args, **kwargs)
         if key is None:
             module.log(TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_sizes[k])
-            key = _result_key(trainer._results, TRAIN_LOSS)
-            if _continue_epoch_sum(module, trainer._results[key]):
-                trainer._results.update_metrics(key, loss, batch_sizes[k])
+            key = _result_key(results, TRAIN_LOSS)
+            if _continue_epoch_sum(module, results[key]):
+                results.update_metrics(key, loss, batch_sizes[k])
         else:  # what self.log does for a metric already registered, without its per-call overhead
-            trainer._results.update_metrics(key, loss, batch_sizes[k])
-        # Lightning writes the window's last value itself (below); the others go to the loggers here.
-        if position < len(logged) - 1 and every and (index + 1) % every == 0 and trainer.loggers:
-            point = {f"{TRAIN_LOSS}_step": loss.detach(), "epoch": trainer.current_epoch}
-            trainer._logger_connector.log_metrics(point, step=index)
-    if logged:
-        # Lightning adds one after the batch: the loggers' step axis counts subnets, as in the plain run.
-        epoch_loop._batches_that_stepped = first_index + logged[-1][0]
+            results.update_metrics(key, loss, batch_sizes[k])
+        # Lightning logs the window's last subnet itself, after training_step; the others here, as it would.
+        if position < len(logged) - 1 and connector.should_update_logs:
+            connector.update_train_step_metrics()
 
 
 #: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.

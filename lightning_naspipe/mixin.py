@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_naspipe.callback import NASPipeCallback, PipelineRunner, keep_scheduler_monitors, validate_run
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.executor import Window
+from lightning_naspipe.executor import Window, loss_context
 from lightning_naspipe.loss_log import log_window_losses
 from lightning_naspipe.namespaces import installed, namespace_of
 from lightning_naspipe.sampling import EVAL_DOMAIN, mix, uniform_architecture
@@ -117,6 +117,23 @@ class NASPipeMixin:
 
     # -- the training step shared by both paths ---------------------------------------------
 
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``self.log``; called from ``compute_loss`` while a window trains, it is recorded and
+        logged in that subnet's turn after the window, on every stage, as a plain run logs it in the
+        subnet's own step (see :mod:`.loss_log`)."""
+        context = loss_context() if self.__dict__.get("_naspipe_records_logs") else None
+        if context is None:
+            super().log(name, value, *args, **kwargs)  # type: ignore[misc]  # LightningModule.log
+            return
+        index, records = context
+        if not isinstance(value, (Tensor, int, float)):
+            raise NASPipeConfigError(
+                f"self.log({name!r}, <{type(value).__name__}>) in compute_loss during training: NASPipe logs what "
+                "compute_loss logs after the window, and can carry tensors and numbers only. Log the value "
+                f"instead, e.g. self.log({name!r}, metric(preds, target)) rather than the metric object."
+            )
+        records.append((index, name, value.detach().clone() if isinstance(value, Tensor) else value, args, kwargs))
+
     @property
     def naspipe_seed(self) -> int:
         seed = self.__dict__.get("_naspipe_seed")
@@ -165,7 +182,11 @@ class NASPipeMixin:
         if trainer.max_steps >= 0:
             batches = batches[: max(0, trainer.max_steps - first)]
         upcoming = pipeline.upcoming_batches(first + len(batches)) if pipeline is not None and batches else None
-        window = engine.train_window(cast("EngineModule", self), batches, first, upcoming)
+        self.__dict__["_naspipe_records_logs"] = pipeline is not None  # see log
+        try:
+            window = engine.train_window(cast("EngineModule", self), batches, first, upcoming)
+        finally:
+            self.__dict__["_naspipe_records_logs"] = False
         if pipeline is not None:
             pipeline.report_stages()
             for name, value in pipeline.stage_metrics().items():
@@ -173,7 +194,8 @@ class NASPipeMixin:
         return self._report(window, batches)
 
     def _report(self, window: Window, batches: list[Any]) -> Tensor | None:
-        log_window_losses(self, window.first_index, window.losses, [self._batch_size(b) for b in batches])
+        log_window_losses(self, window.first_index, window.losses, batches, [self._batch_size(b) for b in batches],
+                          window.records)
         reported = []
         for k, loss in enumerate(window.losses):
             if loss is not None:

@@ -176,10 +176,11 @@ class P2PTransport:
         last = len(self.ranks) - 1
         return broadcast_object(value if self.stage == last else None, self.ranks[last], self.device)
 
-    def share_window_end(self, losses: Sequence[Tensor | None],
-                         flags: Sequence[int]) -> tuple[list[Tensor], list[int]]:
-        """At a window's end: the last stage's scalar losses on every stage, bit for bit, and flags the
-        stages agree on. Every stage passes as many flags, and every stage gets the same agreed ones.
+    def share_window_end(self, losses: Sequence[Tensor | None], flags: Sequence[int],
+                         records: list[Any] | None = None) -> tuple[list[Tensor], list[int], list[Any]]:
+        """At a window's end: the last stage's scalar losses on every stage, bit for bit, its ``records``
+        (what ``compute_loss`` logged; tensors arrive on the host) and flags the stages agree on. Every
+        stage passes as many flags, and every stage gets the same agreed ones.
 
         Point to point, not collectives, and nothing waits for an earlier stage: a stage finishes a
         window after the later ones (its last backward needs theirs), so the flags travel up the
@@ -200,15 +201,20 @@ class P2PTransport:
             self._flags_owed = True
         if self.stage < last:
             self.links.send(self.stage + 1, agreed)
-            packed, agreed = self._recv(self.stage + 1)
+            message = self._recv(self.stage + 1)
         else:
             kept = [loss.detach().reshape(1) for loss in losses if loss is not None]
             code = torch.tensor([wire_format.CODE[kept[0].dtype] if kept else 0], dtype=torch.float64)
             packed = torch.cat([code] + [loss.to("cpu", torch.float64) for loss in kept])
+            # Records only when there are some: a tuple of two tensors takes the wire's fast path.
+            message = (packed, agreed, map_tensors(lambda t: t.detach().cpu(), records)) if records else (
+                packed, agreed)
         if self.stage > 0:
-            self.links.send(self.stage - 1, (packed, agreed))
+            self.links.send(self.stage - 1, message)
+        packed, agreed = message[0], message[1]
         dtype = wire_format.DTYPES[int(packed[0].item())]
-        return [v.to(dtype).to(self.device) for v in packed[1:]], [int(f) for f in agreed.tolist()]
+        return ([v.to(dtype).to(self.device) for v in packed[1:]], [int(f) for f in agreed.tolist()],
+                list(message[2]) if len(message) > 2 else [])
 
     def send_value(self, stage: int, value: Any) -> None:
         """Send outside a window's schedule (evaluation); the peer must call :meth:`recv_value`."""

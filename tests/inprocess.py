@@ -99,9 +99,9 @@ class LocalTransport:
     def recv_value(self, stage: int) -> Any:
         return self._take(stage)
 
-    def share_window_end(self, losses: Sequence[Tensor | None],
-                         flags: Sequence[int]) -> tuple[list[Tensor], list[int]]:
-        return list(losses), list(flags)  # the driver reads the last stage's window
+    def share_window_end(self, losses: Sequence[Tensor | None], flags: Sequence[int],
+                         records: list[Any] | None = None) -> tuple[list[Tensor], list[int], list[Any]]:
+        return list(losses), list(flags), list(records or [])  # the driver reads the last stage's window
 
     def share(self, value: Any) -> Any:
         return value

@@ -89,7 +89,8 @@ def _worker(rank: int, init_method: str, results: dict, links: Any) -> None:
     results[f"shared{rank}"] = transport.share("from the last stage" if rank == 1 else None)
     for k, flags in enumerate(WINDOW_END_FLAGS):  # the last stage's losses come back with the agreed flags
         losses = [loss if rank == 1 else None for loss in LOSSES]
-        results[f"window_end{rank}_{k}"] = transport.share_window_end(losses, flags[rank])
+        records = [(3 + k, "train_acc", torch.tensor(0.5 * k), (), {"on_epoch": True})] if rank == 1 and k else []
+        results[f"window_end{rank}_{k}"] = transport.share_window_end(losses, flags[rank], records)
         if k == 1:  # an evaluation between windows: the flags stage 0 sent still reach stage 1's next window end
             if rank == 0:
                 transport.send_value(1, STEADY[3])
@@ -116,8 +117,11 @@ def test_messages_of_any_shape_and_dtype_arrive_by_schedule_order(links: str) ->
     assert results["between"]
     for k, expected in enumerate(AGREED):
         for rank in (0, 1):
-            losses, agreed = results[f"window_end{rank}_{k}"]
+            losses, agreed, records = results[f"window_end{rank}_{k}"]
             assert agreed == expected, f"window end {k}, stage {rank}"
+            # What compute_loss logged on the last stage (none in the first window) reaches every stage.
+            assert [(i, name, float(value), args, kwargs) for i, name, value, args, kwargs in records] == (
+                [(3 + k, "train_acc", 0.5 * k, (), {"on_epoch": True})] if k else [])
             assert [loss.dtype for loss in losses] == [torch.bfloat16] * len(LOSSES)
             assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(losses, LOSSES))
     # torch links announce the first value of a new size once; the others are a single message each.

@@ -17,7 +17,7 @@ import torch
 import lightning_naspipe as lnp
 from helpers import ToyNet, assert_same_state, full_state, pl, toy_loader, train, trainer_kwargs
 from lightning_naspipe.errors import NASPipeConfigError
-from usage_scenarios import RESUME_POINTS, SCENARIOS, fit
+from usage_scenarios import RESUME_POINTS, SCENARIOS, fit, plain_results
 
 
 def _same_as(reference: dict[str, Any], run: dict[str, Any], from_step: int = 0, validated: bool = True) -> None:
@@ -36,9 +36,7 @@ def _same_as(reference: dict[str, Any], run: dict[str, Any], from_step: int = 0,
 
 @pytest.fixture(scope="module")
 def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every scenario that does not resume, on a plain Trainer."""
-    return {name: run(lambda: None, tmp_path_factory.mktemp("plain"))
-            for name, run in SCENARIOS.items() if not name.startswith("resume")}
+    return plain_results(tmp_path_factory.mktemp("plain"))
 
 
 def check_scenario(name: str, plain_runs: dict[str, dict[str, Any]], result: dict[str, Any]) -> None:

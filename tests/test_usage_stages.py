@@ -13,11 +13,16 @@ import pytest
 import torch
 
 from test_pipeline import run_ranks, torchrun_env
-from test_usage import check_scenario, plain_runs  # noqa: F401  # plain_runs: the module's fixture
-from usage_scenarios import SCENARIOS
+from test_usage import check_scenario
+from usage_scenarios import SCENARIOS, plain_results
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("usage_run.py")
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return plain_results(tmp_path_factory.mktemp("plain"))
 
 
 @pytest.fixture(scope="module")

@@ -147,6 +147,12 @@ def with_epoch_end_weights(strategy: StrategyFactory) -> dict[str, Any]:
     return {**fit(strategy, callbacks=(watcher,), max_epochs=2), "epoch_end_weights": watcher.sums}
 
 
+def plain_results(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every scenario that does not resume, on a plain Trainer (a resumed one is compared with "three epochs")."""
+    return {name: run(lambda: None, folder / str(k)) for k, (name, run) in enumerate(SCENARIOS.items())
+            if not name.startswith("resume")}
+
+
 #: Scenarios run the same way on one device and on several stages: name -> run(strategy, folder).
 SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
     "three epochs": lambda strategy, folder: fit(strategy, max_epochs=3),
