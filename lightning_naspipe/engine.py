@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -196,6 +196,9 @@ class Engine:
         self.deferral = DeferralChooser(forced=defer_weight_grads)
         #: Windows this stage ran with its weight gradients deferred (see :mod:`.weight_grads`).
         self.windows_deferred = 0
+        #: Called with a subnet's index after its update and per-step scheduler step on this stage, when the
+        #: optimizer is as the next subnet will find it (the mixin takes what a plain run logs then).
+        self.after_update: Callable[[int], None] | None = None
         self.clip_norms = clip_norms
         self._clipping: UpdateClipping | None = None
 
@@ -355,3 +358,5 @@ class Engine:
         trainer = module.trainer
         if trainer.lr_scheduler_configs:  # callback_metrics alone costs tens of microseconds per update
             step_schedulers(trainer.lr_scheduler_configs, "step", index + 1, trainer.callback_metrics)
+        if self.after_update is not None:
+            self.after_update(index)

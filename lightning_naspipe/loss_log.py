@@ -32,16 +32,56 @@ from typing import Any
 from torch import Tensor
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.namespaces import installed
 
 TRAIN_LOSS = "train_loss"
 
 
+class BatchStartPoints:
+    """What ``LearningRateMonitor`` (``logging_interval`` ``"step"`` or ``None``) logs at the start of each
+    subnet's batch in a plain run; Lightning calls it once per window.
+
+    Called with each subnet's index after its update and scheduler step (:attr:`.Engine.after_update`),
+    it takes the monitors' points for the next subnet of the window, as they read the optimizer then;
+    :func:`log_window_losses` logs them in that subnet's turn.
+
+    Args:
+        trainer: the running Trainer.
+        first, last: the window's first and last subnet index.
+    """
+
+    def __init__(self, trainer: Any, first: int, last: int) -> None:
+        self.trainer, self.first, self.last = trainer, first, last
+        self.monitors = lr_monitors(trainer)
+        #: Per subnet index, the points to log at its batch start.
+        self.points: dict[int, list[dict[str, float]]] = {}
+
+    def __call__(self, index: int) -> None:
+        batch = index + 1
+        every = self.trainer.log_every_n_steps
+        if not self.first < batch <= self.last or not ((batch + 1) % every == 0 or self.trainer.should_stop):
+            return  # Lightning's own should_update_logs, for that batch
+        for monitor in self.monitors:
+            # _extract_stats (private, Lightning 2.6): what the monitor's on_train_batch_start logs.
+            stats = monitor._extract_stats(self.trainer, "step" if monitor.logging_interval is None else "any")
+            if stats:
+                self.points.setdefault(batch, []).append(stats)
+
+
+def lr_monitors(trainer: Any) -> list[Any]:
+    """The trainer's ``LearningRateMonitor`` callbacks that log per batch (either namespace)."""
+    kinds = tuple(ns.pytorch.callbacks.LearningRateMonitor for ns in installed())
+    return [c for c in trainer.callbacks if isinstance(c, kinds) and c.logging_interval != "epoch"]
+
+
 def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | None], batches: Sequence[Any],
-                      batch_sizes: Sequence[int], records: Sequence[Any] = ()) -> None:
+                      batch_sizes: Sequence[int], records: Sequence[Any] = (),
+                      batch_starts: dict[int, list[dict[str, float]]] | None = None) -> None:
     """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) and what its
     ``compute_loss`` logged (``records``: ``(index, name, value, args, kwargs)`` of each ``self.log`` call,
     see :class:`~lightning_naspipe.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
-    own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped.
+    own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped. ``batch_starts``: the
+    points of :class:`BatchStartPoints`, logged first in their subnet's turn.
 
     Call it from ``training_step`` with the whole window.
     """
@@ -70,6 +110,9 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
         else:
             results.batch, results.batch_size = batches[k], None
         epoch_loop._batches_that_stepped = index  # the loggers' step axis counts subnets, as in the plain run
+        for point in (batch_starts or {}).get(index, ()):
+            for logger in trainer.loggers:
+                logger.log_metrics(point, step=index)
         for _, name, value, args, kwargs in by_subnet.get(index, ()):
             module.log(name, value, *args, **kwargs)
         if key is None:

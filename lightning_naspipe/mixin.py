@@ -16,7 +16,7 @@ from lightning_naspipe.callback import NASPipeCallback, PipelineRunner, keep_sch
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.executor import Window, loss_context
-from lightning_naspipe.loss_log import log_window_losses
+from lightning_naspipe.loss_log import BatchStartPoints, log_window_losses
 from lightning_naspipe.namespaces import installed, namespace_of
 from lightning_naspipe.sampling import EVAL_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.supernet import Architecture, Supernet, supernet_of
@@ -183,19 +183,21 @@ class NASPipeMixin:
             batches = batches[: max(0, trainer.max_steps - first)]
         upcoming = pipeline.upcoming_batches(first + len(batches)) if pipeline is not None and batches else None
         self.__dict__["_naspipe_records_logs"] = pipeline is not None  # see log
+        batch_starts = BatchStartPoints(trainer, first, first + len(batches) - 1)
+        engine.after_update = batch_starts if pipeline is not None and batch_starts.monitors else None
         try:
             window = engine.train_window(cast("EngineModule", self), batches, first, upcoming)
         finally:
-            self.__dict__["_naspipe_records_logs"] = False
+            self.__dict__["_naspipe_records_logs"], engine.after_update = False, None
         if pipeline is not None:
             pipeline.report_stages()
             for name, value in pipeline.stage_metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)
-        return self._report(window, batches)
+        return self._report(window, batches, batch_starts.points)
 
-    def _report(self, window: Window, batches: list[Any]) -> Tensor | None:
+    def _report(self, window: Window, batches: list[Any], batch_starts: dict[int, Any]) -> Tensor | None:
         log_window_losses(self, window.first_index, window.losses, batches, [self._batch_size(b) for b in batches],
-                          window.records)
+                          window.records, batch_starts)
         reported = []
         for k, loss in enumerate(window.losses):
             if loss is not None:
