@@ -16,6 +16,9 @@ Rows (each configuration runs in fresh processes, ``common.launch``):
   2 stages as two processes on the *same* device with gloo on its tensors (one GPU cannot host two
   NCCL ranks), weights compared bitwise (``Trainer(deterministic=True)``).
 - ``exact nccl``: the same with the stages on ``cuda:0`` and ``cuda:1`` over NCCL, where 2 GPUs exist.
+- ``exact, norm clipping``: NB201 as ``exact gloo`` with ``Trainer(gradient_clip_val=1.0)``: each stage's
+  per-tensor gradient norms (``torch._foreach_norm``'s CUDA kernel on its own tensors) and the exchanged
+  total give the one-device norm, bitwise.
 - ``offload``: 2 stages with ``offload=True`` (the CUDA side stream copies ahead of the schedule)
   against the same run without it, bitwise; the prefetch hit rate, the stall time's share of the
   run and the peak device bytes as a share of the stage's partition.
@@ -62,7 +65,7 @@ def worker(cfg: dict[str, Any]) -> None:
     trainer = pl.Trainer(accelerator=device.type, devices=devices, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
-                         deterministic=cfg["exact"])
+                         deterministic=cfg["exact"], gradient_clip_val=cfg.get("clip"))
     module = chosen.model()
     trainer.fit(module, chosen.data(cfg["subnets"] or chosen.subnets))
     metrics = strategy.stage_metrics() if isinstance(strategy, lnp.NASPipeStrategy) else {}  # collective
@@ -76,11 +79,11 @@ def worker(cfg: dict[str, Any]) -> None:
 
 def _config(name: str, device: str, quick: bool, stages: int = 0, backend: str = "gloo",
             parallel: list[str] | None = None, exact: bool = False, offload: bool = False,
-            subnets: int = 0) -> dict[str, Any]:
+            subnets: int = 0, clip: float | None = None) -> dict[str, Any]:
     weights = os.path.join(WEIGHTS_DIR, f"{name}-{stages}-{backend}-{offload}-{len(os.listdir(WEIGHTS_DIR))}.pt")
     return {"weights": weights, "space": name, "device": device, "quick": quick, "stages": stages, "backend": backend,
             "parallel_devices": parallel or [], "exact": exact, "offload": offload, "subnets": subnets,
-            "processes": max(stages, 1)}
+            "processes": max(stages, 1), "clip": clip}
 
 
 def _same_weights(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, str]:
@@ -121,11 +124,12 @@ def main() -> None:
             print(f"[gpu_check] {cfg['space']} stages={cfg['stages']} failed: {result['error']}", file=sys.stderr)
         return result
 
-    def exact_rows(label: str, backend: str, parallel: list[str]) -> None:
-        for name in EXACT_SPACES:
+    def exact_rows(label: str, backend: str, parallel: list[str], spaces: tuple[str, ...] = EXACT_SPACES,
+                   clip: float | None = None) -> None:
+        for name in spaces:
             subnets = 32 if args.quick else 64
-            base = run(_config(name, one, args.quick, exact=True, subnets=subnets))
-            piped = run(_config(name, one, args.quick, 2, backend, parallel, exact=True, subnets=subnets))
+            base = run(_config(name, one, args.quick, exact=True, subnets=subnets, clip=clip))
+            piped = run(_config(name, one, args.quick, 2, backend, parallel, exact=True, subnets=subnets, clip=clip))
             if ok(base) and ok(piped):
                 same, detail = _same_weights(base, piped)
                 add((label, name, "bitwise" if same else "DIFFERS", detail))
@@ -133,6 +137,7 @@ def main() -> None:
                 add((label, name, "FAILED", base.get("error", piped.get("error", ""))[:80]))
 
     exact_rows("exact gloo (2 processes, one device)", "gloo", [one, one])
+    exact_rows("exact, norm clipping (2 processes, one device)", "gloo", [one, one], EXACT_SPACES[:1], clip=1.0)
     if gpus >= 2:
         exact_rows("exact nccl (2 GPUs)", "nccl", ["cuda:0", "cuda:1"])
     else:

@@ -134,11 +134,15 @@ def _clipping_hook(module: Any) -> Iterator[None]:
         model.configure_gradient_clipping(optimizer, gradient_clip_val=clip_val,
                                           gradient_clip_algorithm=gradient_clip_algorithm)
 
+    shadowed = plugin.__dict__.get("_clip_gradients")
     plugin._clip_gradients = clip_gradients  # this instance only, for this step
     try:
         yield
     finally:
-        del plugin._clip_gradients
+        if shadowed is None:
+            del plugin._clip_gradients
+        else:
+            plugin._clip_gradients = shadowed
     if not calls:
         raise NASPipeConfigError(_LIGHTNING_CHANGED.format(type(plugin).__name__,
                                                            "did not call _clip_gradients in the optimizer step"))
@@ -186,9 +190,9 @@ class _Update:
         norm_type = float(norm_type)
         with torch.no_grad():
             norms = local_norms([p.grad for _, p in mine if p.grad is not None], norm_type, foreach)
-            record = StageNorms(self.stage, True, by_optimizer, len(listed), float(max_norm), norm_type,
-                                error_if_nonfinite, foreach, [(self.positions.get(id(p), -1), n) for n, p in mine],
-                                norms)
+            record = StageNorms.local(self.stage, [(self.positions.get(id(p), -1), n) for n, p in mine], norms,
+                                      by_optimizer=by_optimizer, length=len(listed), max_norm=float(max_norm),
+                                      norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
             total = self.exchange.agree(record)
             assert total is not None, "this stage clipped, so the verdict is a total or an error"
             if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):

@@ -64,16 +64,19 @@ def local_norms(grads: Sequence[Tensor], norm_type: float, foreach: bool | None)
     return norms
 
 
-def total_norm(norms: Sequence[Tensor], norm_type: float) -> Tensor:
-    """The norm of ``norms`` (per-tensor norms in the one-device parameter order, on one device) as
-    ``clip_grad_norm_`` stacks them: by dtype group in torch's group order, then in order."""
-    if not norms:
+def total_norm(values: Tensor, dtypes: Sequence[torch.dtype], norm_type: float) -> Tensor:
+    """The norm of per-tensor norms, as ``clip_grad_norm_`` stacks them: ``values`` (float64, exact) and
+    ``dtypes`` are the norms in the one-device parameter order, on the device that computes the total;
+    stacked in dtype groups in torch's group order when dtypes mix."""
+    if not dtypes:
         return torch.tensor(0.0)  # torch's total of no gradients
-    ordered = list(norms)
-    if len({n.dtype for n in ordered}) > 1:  # the same (device, dtype) keys in the same order group alike
-        grouped = _group_tensors_by_device_and_dtype([list[Tensor | None](ordered)], with_indices=True)
-        ordered = [ordered[i] for _, (_, indices) in grouped.items() for i in indices]
-    total: Tensor = torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+    if len(set(dtypes)) == 1:
+        stacked = values.to(dtypes[0])  # what torch.stack of the 0-dim norms gives, in one op
+    else:  # the same (device, dtype) keys in the same order group alike
+        norms = list[Tensor | None](v.to(d) for v, d in zip(values, dtypes))
+        grouped = _group_tensors_by_device_and_dtype([norms], with_indices=True)
+        stacked = torch.stack([norms[i] for _, (_, indices) in grouped.items() for i in indices])  # type: ignore[misc]
+    total: Tensor = torch.linalg.vector_norm(stacked, norm_type)
     return total
 
 
@@ -82,8 +85,9 @@ class StageNorms:
     """One stage's part of a ``clip_grad_norm_`` call in an update (``called=False``: it made none).
 
     Attributes:
-        keys: per norm, ``(optimizer key, list key)``: the gradient's parameter's position in the
-            optimizer's unrestricted param groups (``-1`` if not there) and in the list the call got.
+        keys: int64 ``(norms, 2)``: per norm, ``(optimizer key, list key)``: the gradient's parameter's position
+            in the optimizer's unrestricted param groups (``-1`` if not there) and in the list the call got.
+        values: the norms, float64 (exact for every float dtype), 1-D; ``dtypes``: each one's own dtype.
         by_optimizer: the call got exactly the optimizer's (subnet-restricted) parameters, as
             Lightning's ``clip_gradients`` passes them: order by optimizer key, else by list key.
         length: how many parameters the call got (the same on every stage unless ``by_optimizer``).
@@ -97,34 +101,40 @@ class StageNorms:
     norm_type: float = 2.0
     error_if_nonfinite: bool = False
     foreach: bool | None = None
-    keys: list[tuple[int, int]] = field(default_factory=list)
-    norms: list[Tensor] = field(default_factory=list)
+    keys: Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))
+    values: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    dtypes: list[torch.dtype] = field(default_factory=list)
+
+    @classmethod
+    def local(cls, stage: int, keys: list[tuple[int, int]], norms: Sequence[Tensor], **call: Any) -> StageNorms:
+        """A clipping call's record from this stage's 0-dim ``norms``; ``call``: the call's other fields."""
+        values = torch.stack(list(norms)).to(torch.float64) if norms else torch.zeros(0, dtype=torch.float64)
+        return cls(stage, True, keys=torch.tensor(keys, dtype=torch.int64).view(-1, 2), values=values,
+                   dtypes=[n.dtype for n in norms], **call)
 
     def pack(self) -> tuple[Tensor, Tensor]:
-        """Two tensors: int64 header and keys, float64 arguments and norms (exact for any float dtype)."""
+        """Two tensors: int64 header and ``(optimizer key, list key, dtype)`` triples, float64 arguments and norms."""
         foreach = -1 if self.foreach is None else int(self.foreach)
-        head = [self.stage, int(self.called), int(self.by_optimizer), self.length, int(self.error_if_nonfinite),
-                foreach, len(self.norms), 0]
-        ints = head + [v for (optimizer_key, list_key), norm in zip(self.keys, self.norms)
-                       for v in (optimizer_key, list_key, CODE[norm.dtype])]
+        head = torch.tensor([self.stage, int(self.called), int(self.by_optimizer), self.length,
+                             int(self.error_if_nonfinite), foreach, len(self.keys), 0])
+        codes = torch.tensor([CODE[dtype] for dtype in self.dtypes], dtype=torch.int64).view(-1, 1)
         floats = torch.tensor([self.max_norm, self.norm_type], dtype=torch.float64)
-        if self.norms:
-            floats = torch.cat([floats.to(self.norms[0].device), torch.stack([n.double() for n in self.norms])])
-        return torch.tensor(ints, dtype=torch.int64), floats
+        return (torch.cat([head, torch.cat([self.keys, codes], 1).view(-1)]),
+                torch.cat([floats.to(self.values.device), self.values]))
 
     @classmethod
     def unpack(cls, ints: Tensor, floats: Tensor, device: torch.device) -> StageNorms:
-        """The record :meth:`pack` packed, its norms on ``device`` in their own dtypes."""
-        head, triples = ints[:_INTS].tolist(), ints[_INTS:].view(-1, 3).tolist()
-        values = floats.to(device)
+        """The record :meth:`pack` packed, its norms on ``device``."""
+        head, triples = ints[:_INTS].tolist(), ints[_INTS:].view(-1, 3)
         arguments = floats[:2].tolist()
         return cls(head[0], bool(head[1]), bool(head[2]), head[3], arguments[0], arguments[1], bool(head[4]),
-                   None if head[5] < 0 else bool(head[5]), [(a, b) for a, b, _ in triples],
-                   [values[2 + n].to(DTYPES[code]) for n, (_, _, code) in enumerate(triples)])
+                   None if head[5] < 0 else bool(head[5]), triples[:, :2], floats[2:].to(device),
+                   [DTYPES[code] for code in triples[:, 2].tolist()])
 
 
 def combine(records: Sequence[StageNorms], subnet: int) -> Tensor | None:
-    """The total norm of every stage's records, as one device computes it; ``None`` if no stage clipped.
+    """The total norm of every stage's records, as one device computes it (on the device of the records'
+    values); ``None`` if no stage clipped.
 
     Raises:
         NASPipeConfigError: the stages did not make the same call.
@@ -137,7 +147,6 @@ def combine(records: Sequence[StageNorms], subnet: int) -> Tensor | None:
         raise NASPipeConfigError(
             f"clip_grad_norm_ ran on stage(s) {clipped} but not on {[r.stage for r in records if not r.called]} "
             f"{where}: every stage must run the same clipping code, which needs every stage's gradients.")
-    first = records[0]
     settings = {(r.max_norm, r.norm_type, r.error_if_nonfinite, r.foreach) for r in records}
     if len(settings) > 1:
         raise NASPipeConfigError(f"clip_grad_norm_ got other arguments on different stages {where} (max_norm, "
@@ -148,13 +157,16 @@ def combine(records: Sequence[StageNorms], subnet: int) -> Tensor | None:
             f"clip_grad_norm_ got parameter lists of different lengths on different stages {where} "
             f"({[r.length for r in records]}): pass the same parameters on every stage (e.g. self.parameters(), "
             "not a list filtered by which gradients this stage holds), or use Trainer(gradient_clip_val=...).")
-    entries = sorted(((key[0] if by_optimizer else key[1], n) for r in records for key, n in zip(r.keys, r.norms)),
-                     key=lambda entry: entry[0])
-    positions = [position for position, _ in entries]
-    if len(set(positions)) < len(positions):
+    positions = torch.cat([r.keys[:, 0 if by_optimizer else 1] for r in records])
+    if len(set(positions.tolist())) < len(positions):
         raise NASPipeConfigError(f"clip_grad_norm_ got one parameter's gradient on two stages {where}: pass the "
                                  "same parameter list on every stage (e.g. self.parameters()).")
-    return total_norm([n for _, n in entries], first.norm_type)
+    values = torch.cat([r.values for r in records])
+    dtypes = [d for r in records for d in r.dtypes]
+    if len(positions) > 1 and bool((positions[1:] < positions[:-1]).any()):  # the stages' order is not the device's
+        order = positions.argsort()
+        values, dtypes = values[order.to(values.device)], [dtypes[n] for n in order.tolist()]
+    return total_norm(values, dtypes, records[0].norm_type)
 
 
 class NormLinks(Protocol):
