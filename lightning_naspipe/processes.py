@@ -8,6 +8,7 @@ strategy collectives Lightning calls (``reduce``, ``barrier``, ``broadcast``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -193,7 +194,8 @@ class StageProcesses(_StrategyBase):
     @override
     def barrier(self, name: str | None = None) -> None:
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            with saving_is_collective() if name == "Trainer.save_checkpoint" else contextlib.nullcontext():
+                dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -202,6 +204,21 @@ class StageProcesses(_StrategyBase):
         holder = [obj]
         dist.broadcast_object_list(holder, src)
         return holder[0]
+
+
+@contextlib.contextmanager
+def saving_is_collective() -> Iterator[None]:
+    """Around the collectives of ``trainer.save_checkpoint``: a stage process that does not join them (the
+    call made only where ``trainer.is_global_zero``) fails the save with an error that says so, instead of
+    gloo's "connection closed" or a timeout."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise NASPipeConfigError(
+            "trainer.save_checkpoint is collective under NASPipeStrategy with several stages, and another stage "
+            "process did not join it: call it on every process (not only where trainer.is_global_zero is True); "
+            "rank 0 writes the file. Lightning's checkpoint callbacks already do so."
+        ) from error
 
 
 def exit_with_parent() -> None:

@@ -1,4 +1,5 @@
-"""The placement half of ``NASPipeStrategy``: which stage owns which blocks, and moving them.
+"""The placement half of ``NASPipeStrategy``: which stage owns which blocks, moving them, and gathering
+them whole for checkpoints.
 
 The strategy starts on a split (an explicit ``balance``, timed blocks of ``supernet_example_input``, or
 parameter counts) and may move blocks twice over: to the split timed on the first batch, and every
@@ -8,17 +9,20 @@ weights, buffers and optimizer state to the new owner (:mod:`.placement`), so re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.binding import NamespaceBinding
 from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.distributed import gather_objects, sync_stage_weights
+from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.offload import Offloader, estimated_bytes
 from lightning_naspipe.partition import stage_ranges, tied_cuts
 from lightning_naspipe.placement import move_blocks, place_module, rebalanced
+from lightning_naspipe.processes import saving_is_collective
 from lightning_naspipe.supernet import supernet_of
 
 
@@ -34,6 +38,9 @@ class StagePlacement(NamespaceBinding):
     _split_costs: tuple[list[float], str]
     #: Every stage's busy seconds at the last rebalancing check.
     _busy_before: list[float]
+    #: Whether every rank holds every block's current weights and optimizer state: always but between a
+    #: multi-stage fit's setup and its training end, when a stage keeps only its own blocks current.
+    _whole: bool = True
 
     def _build_offloader(self) -> None:
         assert self.engine is not None
@@ -100,6 +107,31 @@ class StagePlacement(NamespaceBinding):
         assert self.engine is not None
         supernet = supernet_of(self.lightning_module)
         return {id(p) for i in self.engine.blocks for p in supernet.blocks[i].parameters()}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._whole:
+            with saving_is_collective():
+                self.sync_weights()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        inner: Optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._whole:  # one stage, or outside a fit's training: every rank holds all of it
+            return inner.state_dict()
+        with saving_is_collective():
+            return gather_optimizer_state(inner, self._owned(), self.root_device)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if not self._whole:
+            drop_foreign_state(self.optimizers[0], self._owned())
+        if self.engine is not None and self.engine.offloader is not None:
+            self.engine.offloader.rehost()
 
     def sync_weights(self) -> None:
         """Give every rank the full, current weights (collective)."""

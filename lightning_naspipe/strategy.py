@@ -10,13 +10,12 @@ group is gloo on CPU and NCCL on CUDA.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.arguments import check_all
@@ -57,9 +56,9 @@ class NASPipeStrategy(StagePlacement):
 
     Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
     The supernet's blocks are split into one contiguous stage per process. One Lightning batch is a
-    window of ``window`` subnets, each trained on its own batch of the user's dataloader, so
-    ``global_step``, ``max_steps`` and the progress bar count subnets while
-    ``limit_train_batches`` counts windows. Every stage sees the same batches.
+    window of ``window`` subnets, each trained on its own batch of the user's dataloader; ``global_step``,
+    ``max_steps``, ``limit_train_batches`` and the progress bar count subnets, as in a plain run
+    (docs/lightning.md lists every flag). Every stage sees the same batches.
 
     On CPU each stage process pins itself to its own share of the cores (see :mod:`.affinity`).
 
@@ -235,7 +234,8 @@ class NASPipeStrategy(StagePlacement):
         if self.world_size > 1:
             supernet.local_blocks = self.engine.blocks
         super().setup(trainer)
-        if self.optimizers:
+        self._whole = not (trainer.training and self.world_size > 1)
+        if self.optimizers and not self._whole:
             drop_foreign_state(self.optimizers[0], self._owned())
         if self.offload:
             self._build_offloader()
@@ -307,6 +307,7 @@ class NASPipeStrategy(StagePlacement):
             inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
             inner.load_state_dict(gather_optimizer_state(inner, self._owned(), self.root_device))
         supernet_of(self.lightning_module).local_blocks = None  # whole again
+        self._whole = True
 
     @override
     def teardown(self) -> None:
@@ -325,27 +326,6 @@ class NASPipeStrategy(StagePlacement):
             self.lightning_module.trainer.limit_train_batches = self._train_limit
             self._train_limit = None
         super().teardown()
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.sync_weights()
-        return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        if self.world_size == 1:
-            return inner.state_dict()
-        return gather_optimizer_state(inner, self._owned(), self.root_device)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        drop_foreign_state(self.optimizers[0], self._owned())
-        if self.engine is not None and self.engine.offloader is not None:
-            self.engine.offloader.rehost()
 
     def stage_metrics(self) -> dict[str, float]:
         """Every stage's offload accounting and telemetry, keyed ``offload/<stat>_stage<k>`` and

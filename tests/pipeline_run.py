@@ -58,7 +58,8 @@ def main() -> None:
     parser.add_argument("--transport", default="auto", help="NASPipeStrategy(transport=...)")
     parser.add_argument("--search", action="store_true", help="after fit: lnp.search, history to OUT.search{rank}")
     parser.add_argument("--validate-after", action="store_true",
-                        help="after fit: trainer.validate, then a checkpoint to OUT.after_validate")
+                        help="after fit: trainer.validate, then a checkpoint to OUT.after_validate, and last a "
+                             "save_checkpoint on rank 0 only (OUT.rank0only, its error to OUT.rank0only.error)")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
     parser.add_argument("--fake-block-costs", type=float, nargs="+", default=None,
@@ -139,6 +140,12 @@ def main() -> None:
         result = lnp.search(trainer, model, SEARCHER, toy_loader(samples=40, shuffle=False),
                             calibration=toy_loader(samples=16, shuffle=False))
         torch.save(result.history, f"{args.out}.search{trainer.global_rank}")
+    if args.validate_after and trainer.is_global_zero:  # a habit: the other stage process has exited by now
+        try:
+            trainer.save_checkpoint(args.out + ".rank0only")
+        except lnp.NASPipeConfigError as error:
+            with open(args.out + ".rank0only.error", "w") as file:
+                file.write(str(error))
 
 
 #: The search the multi-stage search test runs, here and on one device.

@@ -124,6 +124,10 @@ def test_default_split_is_timed_on_the_first_batch_and_changes_nothing(tmp_path:
     # validate splits the blocks anew (by parameters): a checkpoint after it still has every block's Adam state.
     after_validate = torch.load(f"{ckpt}.after_validate", weights_only=False)["optimizer_states"][0]
     assert_same_state(plain, {**_state(ckpt), "optimizer": after_validate})
+    # save_checkpoint on rank 0 only: the file is whole, and the missing peer is named as the cause.
+    assert "call it on every process" in Path(f"{ckpt}.rank0only.error").read_text()
+    rank0 = torch.load(f"{ckpt}.rank0only", weights_only=False)
+    assert_same_state(plain, {**_state(ckpt), "model": rank0["state_dict"], "optimizer": rank0["optimizer_states"][0]})
     timed_on = torch.load(f"{ckpt}.timed_on")
     torch.manual_seed(7)
     ToyNet()  # the same draws from the global RNG as the run before its first shuffle
