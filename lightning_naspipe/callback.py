@@ -12,7 +12,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning_naspipe.clipping import hide_from_validator, restore
-from lightning_naspipe.data import epoch_open, finish_last_window, reopen_epoch
+from lightning_naspipe.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
 from lightning_naspipe.namespaces import installed

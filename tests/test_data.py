@@ -12,9 +12,7 @@ from torch.utils.data import DataLoader
 from lightning_naspipe.data import (
     DataTracker,
     WindowLoader,
-    check_loop_state_layout,
     order_generators,
-    reopen_epoch,
     transfer_hooks_overridden,
 )
 from lightning_naspipe.errors import NASPipeConfigError
@@ -69,33 +67,6 @@ def test_finished_epoch_resumes_with_a_fresh_epoch() -> None:
     resumed.load_state_dict(state)
     torch.manual_seed(1234)
     assert [b.item() for w in WindowLoader(loader, 2, resumed) for b in w] == next_epoch
-
-
-def _stopped_checkpoint(namespace: Any, tmp_path: Path) -> dict[str, Any]:
-    import lightning_naspipe as lnp
-    from helpers import train
-
-    _, trainer = train(lnp.NASPipeStrategy(window=4), namespace=namespace, max_steps=5, max_epochs=2)
-    trainer.save_checkpoint(tmp_path / "stop.ckpt")
-    return dict(torch.load(tmp_path / "stop.ckpt", weights_only=False))
-
-
-@pytest.mark.parametrize("namespace_name", ["lightning.pytorch", "pytorch_lightning"])
-def test_lightning_keeps_the_loop_state_layout_exact_resume_rewrites(namespace_name: str, tmp_path: Path) -> None:
-    # If this fails, the installed Lightning changed its private loop-state layout: reopen_epoch and
-    # LOOP_STATE_LAYOUT need updating for it (the error names the version).
-    from helpers import NAMESPACES
-
-    checkpoint = _stopped_checkpoint(NAMESPACES[namespace_name], tmp_path)
-    check_loop_state_layout(checkpoint)
-    assert checkpoint["naspipe"]["data"]["position"] == 5
-
-
-def test_changed_loop_state_layout_fails_loudly_naming_the_version() -> None:
-    checkpoint = {"pytorch-lightning_version": "9.9.9", "loops": {"fit_loop": {
-        "epoch_progress": {"total": {}, "current": {}}}}}
-    with pytest.raises(NASPipeConfigError, match=r"Lightning 9\.9\.9 .*epoch_progress.*'total'.*lightning<2\.7"):
-        reopen_epoch(checkpoint, 0)
 
 
 def _seeded_loader(seed: int = 5, batch_size: int = 8) -> DataLoader:

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.loop_state import check_loop_state_layout, reopen_epoch
+
+
+def _stopped_checkpoint(namespace: Any, tmp_path: Path) -> dict[str, Any]:
+    import lightning_naspipe as lnp
+    from helpers import train
+
+    _, trainer = train(lnp.NASPipeStrategy(window=4), namespace=namespace, max_steps=5, max_epochs=2)
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    return dict(torch.load(tmp_path / "stop.ckpt", weights_only=False))
+
+
+@pytest.mark.parametrize("namespace_name", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_keeps_the_loop_state_layout_exact_resume_rewrites(namespace_name: str, tmp_path: Path) -> None:
+    # If this fails, the installed Lightning changed its private loop-state layout: reopen_epoch and
+    # LOOP_STATE_LAYOUT need updating for it (the error names the version).
+    from helpers import NAMESPACES
+
+    checkpoint = _stopped_checkpoint(NAMESPACES[namespace_name], tmp_path)
+    check_loop_state_layout(checkpoint)
+    assert checkpoint["naspipe"]["data"]["position"] == 5
+
+
+def test_changed_loop_state_layout_fails_loudly_naming_the_version() -> None:
+    checkpoint = {"pytorch-lightning_version": "9.9.9", "loops": {"fit_loop": {
+        "epoch_progress": {"total": {}, "current": {}}}}}
+    with pytest.raises(NASPipeConfigError, match=r"Lightning 9\.9\.9 .*epoch_progress.*'total'.*lightning<2\.7"):
+        reopen_epoch(checkpoint, 0)
