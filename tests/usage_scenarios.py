@@ -100,7 +100,7 @@ def fit(strategy: StrategyFactory, loader: Any = None, ckpt_path: Any = None, ca
     torch.set_num_threads(1)
     pl.seed_everything(7, verbose=False)
     model, logger = (model_class or ToyNet)(), Recorder()
-    kwargs = trainer_kwargs(logger=logger, log_every_n_steps=1, callbacks=list(callbacks), **overrides)
+    kwargs = trainer_kwargs(**{"logger": logger, "log_every_n_steps": 1, "callbacks": list(callbacks), **overrides})
     chosen = strategy()
     if chosen is not None:
         kwargs["strategy"] = chosen
@@ -112,6 +112,12 @@ def fit(strategy: StrategyFactory, loader: Any = None, ckpt_path: Any = None, ca
     except LoaderCrash:
         pass
     return {**full_state(model, trainer), "rows": logger.rows}
+
+
+def worker_loader() -> Any:
+    """The toy data read by two worker processes (their seeds come from the global RNG each epoch)."""
+    loader = toy_loader()
+    return torch.utils.data.DataLoader(loader.dataset, batch_size=8, shuffle=True, num_workers=2)
 
 
 def every_12_steps(folder: Path) -> Any:
@@ -169,6 +175,18 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
     "precision=64-true": lambda strategy, folder: fit(strategy, max_epochs=1, precision="64-true"),
     "on_train_batch_start returns -1": lambda strategy, folder: fit(strategy, max_epochs=2,
                                                                     model_class=SkipsRestOfEpoch),
+    "fast_dev_run=3": lambda strategy, folder: fit(strategy, fast_dev_run=3),
+    "log_every_n_steps=5": lambda strategy, folder: fit(strategy, max_epochs=2, log_every_n_steps=5),
+    "check_val_every_n_epoch=2": lambda strategy, folder: fit(strategy, max_epochs=3, check_val_every_n_epoch=2),
+    "limit_val_batches=1, num_sanity_val_steps=0": lambda strategy, folder: fit(
+        strategy, max_epochs=2, limit_val_batches=1, num_sanity_val_steps=0),
+    "EarlyStopping(val_loss)": lambda strategy, folder: fit(strategy, max_epochs=6, callbacks=(
+        pl.callbacks.EarlyStopping(monitor="val_loss", patience=0),)),
+    "min_steps past max_epochs": lambda strategy, folder: fit(strategy, max_epochs=1, min_steps=20),
+    "deterministic, detect_anomaly, profiler": lambda strategy, folder: fit(
+        strategy, max_epochs=1, deterministic=True, detect_anomaly=True, profiler="simple"),
+    "max_steps mid-window": lambda strategy, folder: fit(strategy, max_epochs=-1, max_steps=15),
+    "DataLoader(num_workers=2)": lambda strategy, folder: fit(strategy, max_epochs=2, loader=worker_loader()),
     **{f"resume: {point}": (lambda strategy, folder, point=point: resumed(strategy, point, folder))
        for point in RESUME_POINTS},
 }
