@@ -48,8 +48,8 @@ def exchange_worker(cfg: dict[str, Any]) -> None:
     transport = P2PTransport(stage, [0, 1], torch.device("cpu"), timedelta(seconds=60))
     updates = tuple(Action(UPDATE, i) for i in range(count))
     norms = [torch.rand(()) for _ in range(cfg["norms"])]
-    record = StageNorms(stage, True, True, 64, 1.0, 2.0, False, None, [(stage * 64 + n, n) for n in range(len(norms))],
-                        norms)
+    keys = [(stage * len(norms) + n, n) for n in range(len(norms))]
+    record = StageNorms.local(stage, keys, norms, by_optimizer=True, length=len(norms), max_norm=1.0)
     times = []
     for window in range(6):
         transport.begin_window(Schedule((updates, updates), {}, {}, norms=True), window * count)

@@ -42,7 +42,7 @@ from lightning_naspipe.grad_norm import NormExchange, StageNorms, local_norms
 from lightning_naspipe.namespaces import namespace_of
 from lightning_naspipe.optim import flat_positions
 
-__all__ = ["UpdateClipping", "clips_by_norm", "hide_from_validator", "install", "restore"]
+__all__ = ["UpdateClipping", "clips", "clips_by_norm", "hide_from_validator", "install", "restore"]
 
 _HIDDEN: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
@@ -62,20 +62,20 @@ def restore(trainer: Any) -> None:
         trainer.gradient_clip_val = _HIDDEN.pop(trainer)
 
 
-def clips_by_norm(module: Any) -> bool:
-    """Whether the module's optimizer steps may clip by a norm: ``Trainer(gradient_clip_val > 0)`` with
-    the ``"norm"`` algorithm (the default), or an override of ``configure_gradient_clipping``. On
-    several stages the schedule then plans a norm exchange in every update."""
+def clips(module: Any, by_norm: bool = False) -> bool:
+    """Whether the module's optimizer steps may clip (with ``by_norm``: by a norm): ``Trainer(gradient_clip_val
+    > 0)`` (with the ``"norm"`` algorithm, the default), or an override of ``configure_gradient_clipping``."""
     trainer = module.trainer
     value = getattr(trainer, "gradient_clip_val", None)
     algorithm = getattr(trainer, "gradient_clip_algorithm", None)
-    return (value is not None and value > 0 and algorithm in (None, "norm")) or _overrides_clipping(
-        type(module))  # type: ignore[arg-type]  # classes hash
+    by_trainer = value is not None and value > 0 and (not by_norm or algorithm in (None, "norm"))
+    return by_trainer or _overrides_clipping(type(module))  # type: ignore[arg-type]  # classes hash
 
 
-def _clips(module: Any) -> bool:
-    value = getattr(module.trainer, "gradient_clip_val", None)
-    return (value is not None and value > 0) or _overrides_clipping(type(module))  # type: ignore[arg-type]
+def clips_by_norm(module: Any) -> bool:
+    """Whether the module's optimizer steps may clip by a norm (see :func:`clips`): on several stages the
+    schedule then plans a norm exchange in every update."""
+    return clips(module, by_norm=True)
 
 
 @cache
@@ -103,7 +103,7 @@ class UpdateClipping:
     @contextlib.contextmanager
     def step(self, module: Any, optimizer: Optimizer, params: list[Tensor], index: int) -> Iterator[None]:
         """Around subnet ``index``'s optimizer step, before ``optimizer`` is restricted to ``params``."""
-        hooked = getattr(module.trainer, "precision_plugin", None) is not None and _clips(module)
+        hooked = getattr(module.trainer, "precision_plugin", None) is not None and clips(module)
         update = None
         if self.num_stages > 1:
             install()

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_naspipe.clipping import UpdateClipping, clips_by_norm
+from lightning_naspipe.clipping import UpdateClipping, clips, clips_by_norm
 from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.grad_norm import NormExchange
 from lightning_naspipe.lookahead import plan_step
@@ -29,6 +29,7 @@ from lightning_naspipe.optim import resource_parameters, restrict_param_groups, 
 from lightning_naspipe.offload import Offloader
 from lightning_naspipe.residency import WindowResidency, memory_conflicts
 from lightning_naspipe.schedule import (
+    BACKWARD,
     FORWARD,
     SCHEDULES,
     UPDATE,
@@ -36,9 +37,11 @@ from lightning_naspipe.schedule import (
     Schedule,
     build_schedule,
     scheduling_resources,
+    with_ties,
 )
 from lightning_naspipe.supernet import Resource, Supernet
 from lightning_naspipe.telemetry import StageTelemetry
+from lightning_naspipe.ties import TieRoutes, ties_of
 from lightning_naspipe.weight_grads import DeferralChooser, serialised
 
 
@@ -49,7 +52,8 @@ class WindowPlan:
     Attributes:
         window: the subnets, their architectures and micro-batches; with lookahead, the next
             window's subnets follow this window's (see :mod:`.lookahead`).
-        resources: ``resources[k][s]``: the resources subnet ``k`` uses on stage ``s``.
+        resources: ``resources[k][s]``: the resources subnet ``k`` uses on stage ``s``, and a resource tied across
+            stages on its owner for every subnet using it anywhere (:func:`.actions.with_ties`).
         schedule: the per-stage action orders.
         schedule_mode: one of :data:`SCHEDULES`.
         size: how many of ``window``'s subnets are this window's own.
@@ -80,6 +84,18 @@ class WindowPlan:
         return replace(self.schedule, stages=tuple(tuple(self.actions(s)) for s in range(len(self.schedule.stages))))
 
 
+_EXCHANGE_TICKS = {FORWARD: 2, BACKWARD: 4, UPDATE: 1}
+
+
+def _exchange_cost(stage: int, action: Action) -> int:
+    """Ticks the schedule gives an action when updates exchange norms. The stages' updates of a subnet run
+    together, so a stage that reaches ``U(i)`` early waits in it for the others' backwards; with every action
+    one tick, a later stage would put ``U(i)`` before its next backward and wait there for stage 0's longer
+    backward of ``i``. A backward takes about twice a forward, an update less (20-25% more subnets/s on
+    independent subnets than with one tick each, in a model of 2 stages; ``docs/design.md``)."""
+    return _EXCHANGE_TICKS[action.kind]
+
+
 def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range], schedule_mode: str, chunks: int,
                 memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None, upcoming: Window | None = None,
                 done: frozenset[tuple[int, Action]] = frozenset(), norms: bool = False) -> WindowPlan:
@@ -95,18 +111,22 @@ def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range
             window = Window(window.first_index, window.architectures + upcoming.architectures,
                             window.pieces + upcoming.pieces)
     resources = [[supernet.resources(blocks, arch) for blocks in stage_blocks] for arch in window.architectures]
+    ties = ties_of(supernet, stage_blocks)
+    if ties is not None:
+        resources = with_ties(resources, ties.homes)
     if upcoming is not None or done:
         def may_run_early(subnet: int, stage: int) -> bool:  # a forward may change buffers (BatchNorm)
             return not any(supernet.resource_state(r).buffers for r in resources[subnet][stage])
 
-        step = plan_step(resources, size, chunks, done, may_run_early, norms)
+        step = plan_step(resources, size, chunks, done, may_run_early, norms, _exchange_cost if norms else None)
         return WindowPlan(window, resources, step.schedule, schedule_mode, size, step.carried)
     planned = scheduling_resources(schedule_mode, resources)
     if memory_budget is not None:
         budget, sizes = memory_budget
         by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
         planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
-    return WindowPlan(window, resources, build_schedule(planned, chunks, norms=norms), schedule_mode, size)
+    schedule = build_schedule(planned, chunks, _exchange_cost if norms else None, norms=norms)
+    return WindowPlan(window, resources, schedule, schedule_mode, size)
 
 
 class BoundarySignals(Protocol):
@@ -263,7 +283,9 @@ class Engine:
         actions = plan.actions(self.stage)
         eligible = self.chunks == 1 and serialised(plan.resources, plan.size, self.stage)
         defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
-        executor = self._executor(module, self.telemetry, defer)
+        ties = ties_of(module.supernet, self.stage_blocks)
+        routes = ties.routes(self.stage, plan.resources) if ties is not None else None
+        executor = self._executor(module, self.telemetry, defer, routes)
         self.windows_deferred += defer
         residency = None
         if self.offloader is not None:
@@ -308,7 +330,8 @@ class Engine:
     def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
         """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
         architecture = module.supernet.validate(architecture)
-        executor = self._executor(module, None)
+        ties = ties_of(module.supernet, self.stage_blocks)
+        executor = self._executor(module, None, ties=ties.routes(self.stage, None) if ties else None)
         keys = module.supernet.resources(self.blocks, architecture)
         if self.offloader is not None:
             self.offloader.acquire(keys)
@@ -325,7 +348,7 @@ class Engine:
     def _update_clipping(self, module: EngineModule, norms: bool) -> UpdateClipping | None:
         """How this window's updates clip; ``None`` where they need nothing (one stage, no clipping)."""
         stages = len(self.stage_blocks)
-        if stages == 1 and not (getattr(module.trainer, "gradient_clip_val", None) or clips_by_norm(module)):
+        if stages == 1 and not clips(module):
             return None
         transport, device = self.transport, getattr(self.transport, "device", torch.device("cpu"))
 
@@ -335,16 +358,19 @@ class Engine:
 
         return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
 
-    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None,
-                  defer_weight_grads: bool = False) -> StageExecutor:
+    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None, defer_weight_grads: bool = False,
+                  ties: TieRoutes | None = None) -> StageExecutor:
         return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
-                             self.transport, telemetry, self._stash, defer_weight_grads)
+                             self.transport, telemetry, self._stash, defer_weight_grads, ties)
 
     def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
         """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then
         per-step schedulers."""
         supernet = module.supernet
         params = resource_parameters(supernet.resource_state(r) for r in sorted(resources))
+        ties = ties_of(supernet, self.stage_blocks)
+        if ties is not None:  # a resource tied across stages: this stage steps its own part only
+            params = ties.owned(self.stage, params)
         optimizer = module.optimizers()
         assert not isinstance(optimizer, list)
         if self.offloader is not None:

@@ -31,6 +31,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from lightning_naspipe.actions import CostFn
 from lightning_naspipe.schedule import FORWARD, Action, Schedule, build_schedule
 
 __all__ = ["StepPlan", "plan_step"]
@@ -54,7 +55,8 @@ class StepPlan:
 
 def plan_step(resources: Sequence[Sequence[AbstractSet[Hashable]]], window_size: int, chunks: int,
               done: AbstractSet[tuple[int, Action]] = frozenset(),
-              may_run_early: Callable[[int, int], bool] = lambda subnet, stage: True, norms: bool = False) -> StepPlan:
+              may_run_early: Callable[[int, int], bool] = lambda subnet, stage: True, norms: bool = False,
+              cost: CostFn | None = None) -> StepPlan:
     """Plan one step: this window's actions and the next window's forwards that fit its drain.
 
     Args:
@@ -66,10 +68,11 @@ def plan_step(resources: Sequence[Sequence[AbstractSet[Hashable]]], window_size:
         may_run_early: ``(subnet, stage)``: whether that next-window subnet's forward may run on that
             stage before its window (false where its resources there hold buffers).
         norms: updates exchange gradient norms (see :func:`.schedule.build_schedule`).
+        cost: the actions' durations in ticks, as for :func:`.schedule.build_schedule`.
     """
     if not 0 < window_size <= len(resources):
         raise ValueError(f"window_size must be in 1..{len(resources)}, got {window_size}")
-    joint = build_schedule(resources, chunks, done=done, norms=norms)
+    joint = build_schedule(resources, chunks, cost, done=done, norms=norms)
     last = len(joint.stages) - 1
     cut = max(end for (_, action), end in joint.finish.items() if action.subnet < window_size)
     early: set[tuple[int, Action]] = set()

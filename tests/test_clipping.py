@@ -256,13 +256,14 @@ def test_guard_the_private_lightning_api_clipping_relies_on(namespace: Any) -> N
 
 
 def test_which_runs_plan_a_norm_exchange() -> None:
-    from lightning_naspipe.clipping import _overrides_clipping, clips_by_norm
+    from lightning_naspipe.clipping import _overrides_clipping, clips, clips_by_norm
 
     def module(value: Any, algorithm: Any) -> Any:
         return SimpleNamespace(trainer=SimpleNamespace(gradient_clip_val=value, gradient_clip_algorithm=algorithm))
 
     assert clips_by_norm(module(1.0, None)) and clips_by_norm(module(1.0, "norm"))
     assert not clips_by_norm(module(1.0, "value")) and not clips_by_norm(module(0.0, None))
+    assert clips(module(1.0, "value")) and not clips(module(0.0, "value"))
     assert not clips_by_norm(module(None, None))
     pl = NAMESPACES["pytorch_lightning"]
     assert _overrides_clipping(_variant(pl, "Custom", configure_gradient_clipping=lambda *args: None))

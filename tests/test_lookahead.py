@@ -8,6 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_naspipe.actions import CostFn
+from lightning_naspipe.engine import _exchange_cost
 from lightning_naspipe.lookahead import StepPlan, plan_step
 from lightning_naspipe.schedule import BACKWARD, FORWARD, Action, Schedule, build_schedule, check_schedule, replay
 
@@ -15,10 +17,11 @@ Res = list[list[frozenset[Hashable]]]
 
 
 def roll(windows: Sequence[Res], chunks: int, buffers: frozenset[tuple[int, int]] = frozenset(),
-         norms: bool = False) -> tuple[Schedule, Res, list[StepPlan]]:
+         norms: bool = False, cost: CostFn | None = None) -> tuple[Schedule, Res, list[StepPlan]]:
     """Plan every window with the next one as lookahead, as the engine does, and join the steps into
     one schedule over the whole run (each step's ticks after the one before). ``buffers``: global
-    ``(subnet, stage)`` whose resources hold buffers; ``norms``: updates exchange gradient norms."""
+    ``(subnet, stage)`` whose resources hold buffers; ``norms``: updates exchange gradient norms (the engine
+    then plans with ``cost``, see engine._exchange_cost)."""
     stages = len(windows[0][0])
     orders: list[list[Action]] = [[] for _ in range(stages)]
     start: dict[tuple[int, Action], int] = {}
@@ -28,7 +31,7 @@ def roll(windows: Sequence[Res], chunks: int, buffers: frozenset[tuple[int, int]
         upcoming = windows[w + 1] if w + 1 < len(windows) else []
         size = len(window)
         plan = plan_step(window + upcoming, size, chunks, done,
-                         lambda i, s, first=first: (first + i, s) not in buffers, norms)
+                         lambda i, s, first=first: (first + i, s) not in buffers, norms, cost)
         plans.append(plan)
         for s, order in enumerate(plan.schedule.stages):
             for a in order:
@@ -68,7 +71,7 @@ def test_property_rolled_steps_are_one_valid_schedule(run: tuple[list[Res], int,
     """Also with the norm exchange of global-norm clipping: the next window's forwards that run in
     this one's drain never wait on a stage that waits in an update for them."""
     windows, chunks, buffers = run
-    whole, res, plans = roll(windows, chunks, buffers, norms)
+    whole, res, plans = roll(windows, chunks, buffers, norms, _exchange_cost if norms else None)
     check_schedule(whole, res, chunks)  # every action once, every dependency and CSP, over the whole run
     replay(whole, len(res[0]))  # stage processes walking their rows cannot hang
     last = len(res[0]) - 1
