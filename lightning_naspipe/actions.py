@@ -8,9 +8,10 @@ freezes a window's resources, as every function over them needs.
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = ["BACKWARD", "FORWARD", "NORMS", "UPDATE", "Action", "CostFn", "DeadlockError", "Resources", "Schedule",
-           "ScheduleError", "check_int", "validated"]
+           "ScheduleError", "Ties", "check_int", "validated", "with_ties"]
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -21,7 +22,11 @@ _KIND_NAMES = (FORWARD, BACKWARD, UPDATE)
 NORMS = -1
 
 Resources = Sequence[Sequence[AbstractSet[Hashable]]]
+#: Resources tied across stages (a weight two stages hold, see :mod:`.ties`): key -> the stages that own a part of
+#: it, i.e. step it and send its value to the later stages holding a copy.
+Ties = Mapping[Hashable, AbstractSet[int]]
 CostFn = Callable[[int, "Action"], int]
+_K = TypeVar("_K", bound=Hashable)
 
 
 class ScheduleError(AssertionError):
@@ -122,3 +127,21 @@ def validated(resources: Resources, num_chunks: int) -> tuple[tuple[frozenset[Ha
             if not isinstance(keys, AbstractSet):
                 raise TypeError(f"resources[{i}][{s}] must be a set of keys, got {type(keys).__name__}")
     return tuple(tuple(frozenset(keys) for keys in per_stage) for per_stage in resources)
+
+
+def with_ties(resources: Sequence[Sequence[AbstractSet[_K]]], ties: Mapping[_K, AbstractSet[int]]
+              ) -> list[list[frozenset[_K]]]:
+    """``resources`` with each tied key also on its owner stages, for every subnet that has it on any stage.
+
+    A tied resource is one resource across stages: its owner steps it with the gradients of every subnet that
+    uses it anywhere, and its value for a later stage leaves the owner with the subnet's first forward there.
+    So on the owner every such subnet conflicts with every other (CSP orders them there), and a subnet reading
+    the key on a later stage gets, through the forward chain, the value after the last earlier update.
+    """
+    out = [[set(keys) for keys in per_stage] for per_stage in resources]
+    for per_stage in out:
+        used = set[_K]().union(*per_stage) & ties.keys()
+        for key in used:
+            for owner in ties[key]:
+                per_stage[owner].add(key)
+    return [[frozenset(keys) for keys in per_stage] for per_stage in out]

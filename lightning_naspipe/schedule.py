@@ -17,6 +17,11 @@ run bitwise-identical to the sequential one:
 * With ``norms`` (gradient clipping by a global norm, see :mod:`.grad_norm`): ``U(i)`` also
   needs every ``B(i, *)`` and ``U(i-1)`` on every stage, since every stage's update scales its
   gradients by a coefficient computed from every stage's gradients of ``i``.
+* A resource tied across stages (a weight two stages hold, see :mod:`.ties`) is one resource: its
+  owner stage steps it, and a subnet reading it on a later stage needs the owner's update of every
+  earlier subnet using it. :func:`with_ties` puts the key on the owner for every subnet using it
+  anywhere; CSP there and the forward chain (the value travels with the activation) do the rest,
+  with no dependency or message of their own (``check_schedule``/``replay`` with ``ties`` check it).
 
 Time is discrete: an action occupies ticks ``[start, finish)`` and dependents may
 start at ``finish`` (plus ``latency`` across stages). A stage runs one action at a
@@ -49,13 +54,15 @@ from lightning_naspipe.actions import (
     Resources,
     Schedule,
     ScheduleError,
+    Ties,
     check_int,
     validated,
+    with_ties,
 )
 from lightning_naspipe.schedule_rules import check_schedule, replay
 
-__all__ = ["BACKWARD", "FORWARD", "NORMS", "SCHEDULES", "UPDATE", "Action", "DeadlockError", "Schedule", "ScheduleError",
-           "build_schedule", "check_schedule", "replay", "scheduling_resources"]
+__all__ = ["BACKWARD", "FORWARD", "NORMS", "SCHEDULES", "UPDATE", "Action", "DeadlockError", "Schedule",
+           "ScheduleError", "Ties", "build_schedule", "check_schedule", "replay", "scheduling_resources", "with_ties"]
 
 # Heap rank of each kind: lower runs first (updates unblock CSP waiters, backward frees memory).
 _U, _B, _F = 0, 1, 2

@@ -6,6 +6,7 @@ and finds deadlocks and messages no stage receives.
 """
 
 from collections import Counter, deque
+from collections.abc import Hashable
 
 from lightning_naspipe.actions import (
     BACKWARD,
@@ -17,6 +18,7 @@ from lightning_naspipe.actions import (
     Resources,
     Schedule,
     ScheduleError,
+    Ties,
     validated,
 )
 
@@ -48,14 +50,14 @@ def _deps(s: int, a: Action, num_stages: int, chunks: int, norms: bool = False) 
     return deps
 
 
-def check_schedule(schedule: Schedule, resources: Resources, num_chunks: int) -> None:
+def check_schedule(schedule: Schedule, resources: Resources, num_chunks: int, ties: Ties | None = None) -> None:
     """Raise :class:`ScheduleError` (an ``AssertionError``) naming the first broken rule.
 
     Checked first from the per-stage orders alone (exactly-once, chunk order, forward
     before backward, update order, CSP), then against the ticks (one action at a time
     in list order, every dependency incl. cross-stage, CSP; with ``schedule.norms``, each
-    update after every stage's backwards of its subnet and previous update). Conflicts are
-    recomputed pairwise, independently of :func:`build_schedule`.
+    update after every stage's backwards of its subnet and previous update; with ``ties``,
+    see :func:`_check_ties`). Conflicts are recomputed pairwise, independently of :func:`build_schedule`.
     """
     res = validated(resources, num_chunks)
     n, num_stages, chunks = len(res), len(res[0]), num_chunks
@@ -93,6 +95,28 @@ def check_schedule(schedule: Schedule, resources: Resources, num_chunks: int) ->
         for k, i in pairs[s]:
             ok = finish[(s, Action(UPDATE, k))] <= first[i]
             _require(ok, "CSP", "F{}@stage {} starts before conflicting U{} ends", i, s, k)
+    if ties:
+        _check_ties(schedule, res, ties)
+
+
+def _check_ties(schedule: Schedule, res: tuple[tuple[frozenset[Hashable], ...], ...], ties: Ties) -> None:
+    """The tied-resource rules: every subnet using a tied key anywhere has it on each owner stage (which steps
+    it), and a subnet reading it on a stage after an owner starts its forwards there and on the owner (whose
+    first forward sends the value on) only after the owner's update of the last earlier subnet using it."""
+    for key, owners in ties.items():
+        users = [i for i, per_stage in enumerate(res) if any(key in keys for keys in per_stage)]
+        for owner in sorted(owners):
+            for before, j in zip([-1, *users], users):
+                _require(key in res[j][owner], "tied resource", "subnet {} uses tied {} but not on its owner stage {}",
+                         j, key, owner)
+                readers = [h for h in range(owner + 1, len(res[j])) if key in res[j][h]]
+                if before < 0 or not readers:
+                    continue
+                done = schedule.finish[(owner, Action(UPDATE, before))]
+                for h in (owner, *readers):
+                    ok = schedule.start[(h, Action(FORWARD, j))] >= done
+                    _require(ok, "tied value", "F{}.0@stage {} reads tied {} before U{}@owner stage {} ends", j, h, key,
+                             before, owner)
 
 
 def _receive(inbox: deque[tuple[int, int]], early: Counter[tuple[int, int]], want: tuple[int, int]) -> bool:
@@ -108,7 +132,44 @@ def _receive(inbox: deque[tuple[int, int]], early: Counter[tuple[int, int]], wan
     return False
 
 
-def replay(schedule: Schedule, num_stages: int) -> None:
+class _TiedValues:
+    """Which value of each tied resource a replay's stages hold: per stage and part ``(key, owner)``, the subnet
+    whose update on the owner produced its copy (-1: the initial value). A value leaves the owner with a subnet's
+    chunk-0 activation, passes from stage to stage with it, and a stage reading the key takes it before that
+    subnet's first forward there (:mod:`.ties`)."""
+
+    def __init__(self, res: tuple[tuple[frozenset[Hashable], ...], ...], ties: Ties, num_stages: int) -> None:
+        self.res, self.last = res, num_stages - 1
+        self.parts = [(key, owner) for key, owners in ties.items() for owner in sorted(owners)]
+        self.held = [dict.fromkeys(self.parts, -1) for _ in range(num_stages)]
+        self.carried: dict[tuple[int, int], dict[tuple[Hashable, int], int]] = {}  # (stage, subnet) -> values
+        self.users = {key: [i for i, per_stage in enumerate(res) if any(key in keys for keys in per_stage)]
+                      for key in ties}
+
+    def forward(self, s: int, j: int) -> None:
+        """``F(j, 0)`` on stage ``s``: take the values its activation carried, check those ``j`` reads, pass them on."""
+        held, carried = self.held[s], self.carried.pop((s, j), {})
+        for (key, owner), version in carried.items():
+            if key in self.res[j][s]:
+                held[(key, owner)] = version
+        for key, owner in self.parts:
+            if owner <= s and key in self.res[j][s]:
+                expected = max([k for k in self.users[key] if k < j], default=-1)
+                _require(held[(key, owner)] == expected, "tied value", "F{}.0@stage {} reads tied {} as updated by "
+                         "subnet {} on stage {}, not by the last earlier user {}", j, s, key, held[(key, owner)], owner,
+                         expected)
+        if s < self.last:
+            self.carried[(s + 1, j)] = {part: held[part] if part[1] == s else carried[part] for part in self.parts
+                                        if part[1] <= s}
+
+    def update(self, s: int, i: int) -> None:
+        """``U(i)`` on stage ``s``: the parts it owns that ``i`` uses are now ``i``'s."""
+        for key, owner in self.parts:
+            if owner == s and key in self.res[i][s]:
+                self.held[s][(key, owner)] = i
+
+
+def replay(schedule: Schedule, num_stages: int, resources: Resources | None = None, ties: Ties | None = None) -> None:
     """Run the per-stage orders as independent processes would, with no global clock.
 
     Each stage walks its list; an F on ``s > 0`` (a B on ``s < S-1``) blocks until its
@@ -116,11 +177,15 @@ def replay(schedule: Schedule, num_stages: int) -> None:
     messages are buffered. With ``schedule.norms`` a U runs the norm exchange of
     :class:`.grad_norm.NormExchange` in two halves, the stage blocked in between: up
     (take the norms from ``s+1``, send them with its own to ``s-1``), then down (take the
-    verdict from ``s-1``, pass it to ``s+1``). Raises :class:`DeadlockError` if no stage can
-    progress before all finish, :class:`ScheduleError` if a sent message is never consumed.
+    verdict from ``s-1``, pass it to ``s+1``). With ``resources`` and ``ties``, the values of tied
+    resources travel with the activations and every forward reading one must find the value after
+    the last earlier update (:class:`ScheduleError` "tied value" otherwise). Raises
+    :class:`DeadlockError` if no stage can progress before all finish, :class:`ScheduleError` if a
+    sent message is never consumed.
     """
     if num_stages != len(schedule.stages):
         raise ValueError(f"num_stages={num_stages} but the schedule has {len(schedule.stages)} stages")
+    values = _TiedValues(validated(resources, 1), ties, num_stages) if ties and resources is not None else None
     # inbox[s][0]: activations from s-1; inbox[s][1]: gradients from s+1.
     inbox = [(deque[tuple[int, int]](), deque[tuple[int, int]]()) for _ in range(num_stages)]
     early = [(Counter[tuple[int, int]](), Counter[tuple[int, int]]()) for _ in range(num_stages)]
@@ -145,11 +210,15 @@ def replay(schedule: Schedule, num_stages: int) -> None:
                     if s < last:
                         inbox[s + 1][0].append(msg)
                     sent_up[s], pc[s], progressed = False, pc[s] + 1, True
+                    if values is not None:
+                        values.update(s, a.subnet)
                     continue
                 msg, link = (a.subnet, a.chunk), int(a.kind == BACKWARD)
                 needs_msg = (a.kind == FORWARD and s > 0) or (a.kind == BACKWARD and s < num_stages - 1)
                 if needs_msg and not _receive(inbox[s][link], early[s][link], msg):
                     break
+                if values is not None and a.kind != BACKWARD and a.chunk == 0:
+                    (values.forward if a.kind == FORWARD else values.update)(s, a.subnet)
                 peer = s + 1 if a.kind == FORWARD else s - 1
                 if a.kind != UPDATE and 0 <= peer < num_stages:
                     inbox[peer][link].append(msg)
