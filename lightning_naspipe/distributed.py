@@ -48,17 +48,14 @@ def broadcast_tensors_(tensors: Iterable[Tensor], src: int, device: torch.device
 
 def sync_stage_weights(blocks: Sequence[nn.Module], stage_ranges: Sequence[range], ranks: Sequence[int],
                        device: torch.device) -> None:
-    """Give every rank the current parameters and buffers of every block, from the owning stage."""
+    """Give every rank the current parameters and buffers of every block, each tensor from its owner: the stage of
+    the first block holding it (a weight tied across stages is stepped there, see :mod:`.ties`)."""
+    seen: set[int] = set()
     for stage, indices in enumerate(stage_ranges):
         tensors = [t for i in indices for t in (*blocks[i].parameters(), *blocks[i].buffers())]
-        broadcast_tensors_(_unique(tensors), ranks[stage], device)
-
-
-def broadcast_blocks(blocks: Sequence[nn.Module], indices: Sequence[int], owners: Sequence[int],
-                     device: torch.device) -> None:
-    """Every rank gets the parameters and buffers of ``blocks[i]`` from rank ``owners[k]`` (``i = indices[k]``)."""
-    for i, owner in zip(indices, owners):
-        broadcast_tensors_(_unique([*blocks[i].parameters(), *blocks[i].buffers()]), owner, device)
+        owned = [t for t in _unique(tensors) if id(t) not in seen]
+        seen.update(id(t) for t in owned)
+        broadcast_tensors_(owned, ranks[stage], device)
 
 
 def hand_over_optimizer_state(optimizer: Optimizer, moving: dict[int, tuple[int, int]], rank: int,

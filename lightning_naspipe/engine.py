@@ -37,9 +37,11 @@ from lightning_naspipe.schedule import (
     Schedule,
     build_schedule,
     scheduling_resources,
+    with_ties,
 )
 from lightning_naspipe.supernet import Resource, Supernet
 from lightning_naspipe.telemetry import StageTelemetry
+from lightning_naspipe.ties import TieRoutes, ties_of
 from lightning_naspipe.weight_grads import DeferralChooser, serialised
 
 
@@ -50,7 +52,8 @@ class WindowPlan:
     Attributes:
         window: the subnets, their architectures and micro-batches; with lookahead, the next
             window's subnets follow this window's (see :mod:`.lookahead`).
-        resources: ``resources[k][s]``: the resources subnet ``k`` uses on stage ``s``.
+        resources: ``resources[k][s]``: the resources subnet ``k`` uses on stage ``s``, and a resource tied across
+            stages on its owner for every subnet using it anywhere (:func:`.actions.with_ties`).
         schedule: the per-stage action orders.
         schedule_mode: one of :data:`SCHEDULES`.
         size: how many of ``window``'s subnets are this window's own.
@@ -108,6 +111,9 @@ def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range
             window = Window(window.first_index, window.architectures + upcoming.architectures,
                             window.pieces + upcoming.pieces)
     resources = [[supernet.resources(blocks, arch) for blocks in stage_blocks] for arch in window.architectures]
+    ties = ties_of(supernet, stage_blocks)
+    if ties is not None:
+        resources = with_ties(resources, ties.homes)
     if upcoming is not None or done:
         def may_run_early(subnet: int, stage: int) -> bool:  # a forward may change buffers (BatchNorm)
             return not any(supernet.resource_state(r).buffers for r in resources[subnet][stage])
@@ -277,7 +283,9 @@ class Engine:
         actions = plan.actions(self.stage)
         eligible = self.chunks == 1 and serialised(plan.resources, plan.size, self.stage)
         defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
-        executor = self._executor(module, self.telemetry, defer)
+        ties = ties_of(module.supernet, self.stage_blocks)
+        routes = ties.routes(self.stage, plan.resources) if ties is not None else None
+        executor = self._executor(module, self.telemetry, defer, routes)
         self.windows_deferred += defer
         residency = None
         if self.offloader is not None:
@@ -322,7 +330,8 @@ class Engine:
     def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
         """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
         architecture = module.supernet.validate(architecture)
-        executor = self._executor(module, None)
+        ties = ties_of(module.supernet, self.stage_blocks)
+        executor = self._executor(module, None, ties=ties.routes(self.stage, None) if ties else None)
         keys = module.supernet.resources(self.blocks, architecture)
         if self.offloader is not None:
             self.offloader.acquire(keys)
@@ -349,16 +358,19 @@ class Engine:
 
         return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
 
-    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None,
-                  defer_weight_grads: bool = False) -> StageExecutor:
+    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None, defer_weight_grads: bool = False,
+                  ties: TieRoutes | None = None) -> StageExecutor:
         return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
-                             self.transport, telemetry, self._stash, defer_weight_grads)
+                             self.transport, telemetry, self._stash, defer_weight_grads, ties)
 
     def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
         """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then
         per-step schedulers."""
         supernet = module.supernet
         params = resource_parameters(supernet.resource_state(r) for r in sorted(resources))
+        ties = ties_of(supernet, self.stage_blocks)
+        if ties is not None:  # a resource tied across stages: this stage steps its own part only
+            params = ties.owned(self.stage, params)
         optimizer = module.optimizers()
         assert not isinstance(optimizer, list)
         if self.offloader is not None:

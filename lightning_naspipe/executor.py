@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
 
@@ -23,8 +23,11 @@ from lightning_naspipe.sampling import keyed_rng
 from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.supernet import Architecture, Supernet
 from lightning_naspipe.telemetry import StageTelemetry
+from lightning_naspipe.ties import TieRoutes
 from lightning_naspipe.weight_grads import DeferredWeights
 
+
+_T = TypeVar("_T")
 
 # Randomness key of evaluation forwards: apart from every training subnet's (indices are >= 0).
 EVALUATION_INDEX = -1
@@ -127,6 +130,8 @@ class StageExecutor:
             same one to the next window's executor when forwards run ahead (see :mod:`.lookahead`).
         defer_weight_grads: send a backward's input gradients before computing its weight gradients
             (see :mod:`.weight_grads`); ignored on the first stage, which sends none.
+        ties: how this stage moves the values and gradients of parameters tied across stages (:mod:`.ties`);
+            ``None`` when no parameter spans stages.
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class StageExecutor:
         telemetry: StageTelemetry | None = None,
         stash: dict[tuple[int, int], list[tuple[Any, Any]]] | None = None,
         defer_weight_grads: bool = False,
+        ties: TieRoutes | None = None,
     ) -> None:
         if num_stages > 1 and transport is None:
             raise ValueError("a multi-stage executor needs a transport")
@@ -155,6 +161,7 @@ class StageExecutor:
         # the weighted loss on the last stage. Kept for backward.
         self._stash = {} if stash is None else stash
         self.defer_weight_grads = defer_weight_grads and not self.is_first
+        self.ties = ties
         #: Per backward, seconds from having its output gradients to sending its input gradients.
         self.seconds_to_send: list[float] = []
 
@@ -181,17 +188,20 @@ class StageExecutor:
 
     def forward_only(self, batch: Any, architecture: Architecture) -> Any:
         """This stage's part of an evaluation forward; the output on the last stage, else ``None``."""
+        passing: dict[int, Tensor] = {}
         if self.is_first:
             x = self.module.pipeline_input(batch)
         else:
             assert self.transport is not None
             x = self.transport.recv_value(self.stage - 1)
+            if self.ties is not None:
+                x, passing = self.ties.take_values(0, x)
         for _, x in self._run_blocks(x, architecture, EVALUATION_INDEX, 0):
             pass
         if self.is_last:
             return x
         assert self.transport is not None
-        self.transport.send_value(self.stage + 1, x)
+        self.transport.send_value(self.stage + 1, x if self.ties is None else self.ties.with_values(0, x, passing))
         return None
 
     def _run_blocks(self, x: Any, architecture: Architecture, index: int, chunk: int) -> Iterator[tuple[Any, Any]]:
@@ -219,11 +229,15 @@ class StageExecutor:
     def _forward(self, window: Window, k: int, c: int) -> None:
         piece, weight = window.pieces[k][c]
         index = window.first_index + k
+        ties = self.ties if c == 0 else None  # tied values travel with a subnet's first activation
+        passing: dict[int, Tensor] = {}
         if self.is_first:
             x = self.module.pipeline_input(piece)
         else:
             assert self.transport is not None
             x = self.transport.recv_activation(index, c)
+            if ties is not None:
+                x, passing = ties.take_values(k, x)
         saved = list(self._run_blocks(x, window.architectures[k], index, c))
         y = saved[-1][1]
         if self.is_last:
@@ -241,7 +255,7 @@ class StageExecutor:
             saved[-1] = (saved[-1][0], loss)
         else:
             assert self.transport is not None
-            self.transport.send_activation(index, c, y)
+            self.transport.send_activation(index, c, y if ties is None else ties.with_values(k, y, passing))
         self._stash[(index, c)] = saved
 
     def _backward(self, window: Window, k: int, c: int) -> None:
@@ -254,24 +268,50 @@ class StageExecutor:
         blocks = reversed(self.blocks)
         inputs, outputs = saved.pop()
         block = next(blocks)
+        architecture = window.architectures[k]
+        passing: list[Any] = []
+        contributions: list[Tensor | None] = []  # to parameters tied to an earlier stage's (see ties.py)
         if self.is_last:
             start = time.perf_counter()
-            self.module.manual_backward(outputs)  # Lightning's precision plugins scale the loss here
+            # Lightning's precision plugins scale the loss here
+            self._capturing(k, block, contributions, lambda: self.module.manual_backward(outputs))
             grads = leaf_grads(inputs)
         else:
             assert self.transport is not None
             received = self.transport.recv_gradient(index, c)
+            if self.ties is not None:
+                received, passing = self.ties.take_grads(k, received)
             start = time.perf_counter()
-            grads = self._block_backward(outputs, received, inputs, window.architectures[k], block, deferred)
+            grads = self._capturing(k, block, contributions, lambda: self._block_backward(
+                outputs, received, inputs, architecture, block, deferred))
         for block in blocks:
             inputs, outputs = saved.pop()
-            grads = self._block_backward(outputs, grads, inputs, window.architectures[k], block, deferred)
+            grads = self._capturing(k, block, contributions, lambda: self._block_backward(
+                outputs, grads, inputs, architecture, block, deferred))
         if not self.is_first:
             assert self.transport is not None
             self.seconds_to_send.append(time.perf_counter() - start)
+            if self.ties is not None:
+                grads = self.ties.with_grads(k, grads, passing, contributions)
             self.transport.send_gradient(index, c, grads)
         if deferred is not None:
             deferred.run()
+
+    def _capturing(self, k: int, block: int, contributions: list[Tensor | None], backward: Callable[[], _T]) -> _T:
+        """``backward()`` of ``block``; with a copy of a parameter tied to an earlier stage's in it, that copy's
+        ``.grad`` is the block's contribution alone, taken into ``contributions`` (the copy keeps no gradient)."""
+        tensors = self.ties.captured(k, block) if self.ties is not None else []
+        if not tensors:
+            return backward()
+        kept = [t.grad for t in tensors]  # None in a stage process; the owner's, when stages share a module
+        for t in tensors:
+            t.grad = None
+        try:
+            return backward()
+        finally:
+            contributions.extend(t.grad for t in tensors)
+            for t, grad in zip(tensors, kept):
+                t.grad = grad
 
     def _block_backward(self, outputs: Any, grads: Sequence[Tensor | None], inputs: Any,
                         architecture: Architecture, block: int,
@@ -280,8 +320,10 @@ class StageExecutor:
             backward_through(outputs, grads)
             return leaf_grads(inputs)
         supernet = self.module.supernet
-        params = [p for r in sorted(supernet.resources((block,), architecture))
-                  for p in supernet.resource_state(r).params]
+        params: list[Tensor] = [p for r in sorted(supernet.resources((block,), architecture))
+                                for p in supernet.resource_state(r).params]
+        if self.ties is not None:  # a tied copy's contribution is sent before the weight passes: one pass for it
+            params = self.ties.ties.owned(self.stage, params)
         return deferred.backward(outputs, grads, inputs, params)
 
 

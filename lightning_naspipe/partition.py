@@ -1,5 +1,9 @@
 """Splitting the supernet's blocks into contiguous pipeline stages.
 
+Blocks that share a parameter (a GPT's tied token embedding and output projection) may go to different
+stages, each holding a copy (:mod:`.ties`); blocks that share a buffer (a BatchNorm reused in two places, whose
+running statistics every forward changes) stay on one stage (:func:`shared_buffer_cuts`).
+
 The strategy's default split balances *measured* forward + backward time per block
 (:func:`.block_timing.timed_block_weights`), timed on the mixin's ``supernet_example_input`` or else
 on the first training batch. Until that timing, and as the fallback, the split balances the
@@ -60,8 +64,9 @@ def balanced_split(weights: Sequence[float], stages: int, forbidden: frozenset[i
                     best[s][i], cut[s][i] = cost, j
     if best[stages][count] == inf:
         raise NASPipeConfigError(
-            f"No split of the supernet's {count} blocks into {stages} stages keeps tied weights on one stage "
-            f"(cuts not allowed before blocks {sorted(forbidden)}); use fewer stages or untie the weights."
+            f"No split of the supernet's {count} blocks into {stages} stages keeps shared buffers on one stage "
+            f"(cuts not allowed before blocks {sorted(forbidden)}, between blocks sharing a buffer, e.g. a BatchNorm "
+            "reused in both); use fewer stages or give each block its own module."
         )
     sizes, i = [], count
     for s in range(stages, 0, -1):
@@ -92,7 +97,7 @@ def stage_ranges(supernet: Supernet, stages: int, balance: Sequence[int] | None 
             f"block. Use at most {count} stages (devices x nodes, or num_stages) or split the supernet into more "
             "blocks."
         )
-    forbidden = tied_cuts(supernet)
+    forbidden = shared_buffer_cuts(supernet)
     if balance is None:
         sizes = balanced_split(weights if weights is not None else block_weights(supernet), stages, forbidden)
     else:
@@ -105,8 +110,9 @@ def stage_ranges(supernet: Supernet, stages: int, balance: Sequence[int] | None 
         cuts = {sum(sizes[:s]) for s in range(1, stages)}
         if cuts & forbidden:
             raise NASPipeConfigError(
-                f"balance={sizes} cuts before block(s) {sorted(cuts & forbidden)}, between blocks that share a "
-                "parameter or buffer (tied weights must live on one stage); move the cut or leave balance unset."
+                f"balance={sizes} cuts before block(s) {sorted(cuts & forbidden)}, between blocks that share a buffer "
+                "(e.g. a BatchNorm reused in both: its running statistics must live on one stage); move the cut or "
+                "leave balance unset."
             )
     ranges, start = [], 0
     for size in sizes:
@@ -115,13 +121,17 @@ def stage_ranges(supernet: Supernet, stages: int, balance: Sequence[int] | None 
     return ranges
 
 
-def tied_cuts(supernet: Supernet) -> frozenset[int]:
-    """Cut positions that would put one resource (tied weights, a module reused in two blocks) on two stages."""
-    forbidden: set[int] = set()
-    for key in supernet.stage_resources(range(len(supernet))):
-        blocks = supernet.resource_blocks(key)
-        forbidden.update(range(blocks[0] + 1, blocks[-1] + 1))
-    return frozenset(forbidden)
+def shared_buffer_cuts(supernet: Supernet) -> frozenset[int]:
+    """Cut positions that would put a buffer used by several blocks (a BatchNorm reused in two) on two stages.
+
+    Every forward in training mode may change such a buffer (running statistics), chunk by chunk in the
+    one-device order, so it cannot be kept on two stages as a tied parameter is (see :mod:`.ties`).
+    """
+    spans: dict[int, tuple[int, int]] = {}
+    for i, block in enumerate(supernet.blocks):
+        for buffer in block.buffers():
+            spans[id(buffer)] = (spans.get(id(buffer), (i, i))[0], i)
+    return frozenset(j for first, last in spans.values() for j in range(first + 1, last + 1))
 
 
 def _numel(module: nn.Module) -> int:

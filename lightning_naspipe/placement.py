@@ -14,13 +14,26 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_naspipe.distributed import broadcast_blocks, hand_over_optimizer_state
+from lightning_naspipe.distributed import broadcast_tensors_, hand_over_optimizer_state
 from lightning_naspipe.supernet import Supernet
 
 
 def owner_of(ranges: Sequence[range], block: int) -> int:
     """The stage whose range holds ``block``."""
     return next(stage for stage, blocks in enumerate(ranges) if block in blocks)
+
+
+def first_blocks(blocks: Sequence[nn.Module]) -> dict[int, int]:
+    """``id(tensor) -> the first block holding it``, for every parameter and buffer of ``blocks``.
+
+    A tensor's authoritative copy is on that block's stage, its *owner*: the one copy of a weight tied across
+    stages that is stepped, checkpointed and handed on when blocks move (see :mod:`.ties`).
+    """
+    first: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for tensor in (*block.parameters(), *block.buffers()):
+            first.setdefault(id(tensor), i)
+    return first
 
 
 def place_module(module: nn.Module, supernet: Supernet, own: Sequence[int] | None, device: torch.device) -> None:
@@ -58,14 +71,20 @@ def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[r
     if not moved:
         return moved
     blocks = list(supernet.blocks)
-    broadcast_blocks(blocks, moved, [owner_of(old, i) for i in moved], device)
+    first = first_blocks(blocks)
+    # Each tensor from its owner: a weight tied to an earlier block is current there, not on this block's stage.
+    tensors = {id(t): t for i in moved for t in (*blocks[i].parameters(), *blocks[i].buffers())}
+    for tensor in tensors.values():
+        broadcast_tensors_([tensor], owner_of(old, first[id(tensor)]), device)
     for i in moved:
-        if owner_of(new, i) == stage and on_device:
-            blocks[i].to(device)
-        elif owner_of(old, i) == stage:
+        if owner_of(old, i) == stage:
             blocks[i].to("cpu")  # no longer this stage's: free the device
+    if on_device:  # after the above: a weight tied to a block that left is still this stage's
+        for i in new[stage]:
+            blocks[i].to(device)
     if optimizer is not None:
-        moving = {id(p): (owner_of(old, i), owner_of(new, i)) for i in moved for p in blocks[i].parameters()}
+        owners = {pid: (owner_of(old, first[pid]), owner_of(new, first[pid])) for pid in tensors}
+        moving = {pid: (was, now) for pid, (was, now) in owners.items() if was != now}
         hand_over_optimizer_state(optimizer, moving, stage, len(new))
     return moved
 
@@ -82,7 +101,7 @@ def rebalanced(ranges: Sequence[range], busy: Sequence[float], weights: Sequence
         ranges: the blocks of each stage now.
         busy: each stage's busy seconds over the same windows.
         weights: each block's cost estimate.
-        forbidden: cut positions that must not be used (tied weights, :func:`.partition.tied_cuts`).
+        forbidden: cut positions that must not be used (shared buffers, :func:`.partition.shared_buffer_cuts`).
         margin: the busiest stage must get at least this much faster (0.1: by 10%).
 
     Returns:

@@ -20,8 +20,8 @@ from lightning_naspipe.block_timing import agreed_timed_weights
 from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
 from lightning_naspipe.engine import Engine
 from lightning_naspipe.offload import Offloader, estimated_bytes
-from lightning_naspipe.partition import stage_ranges, tied_cuts
-from lightning_naspipe.placement import move_blocks, place_module, rebalanced
+from lightning_naspipe.partition import shared_buffer_cuts, stage_ranges
+from lightning_naspipe.placement import first_blocks, move_blocks, place_module, rebalanced
 from lightning_naspipe.processes import saving_is_collective
 from lightning_naspipe.supernet import supernet_of
 
@@ -75,7 +75,7 @@ class StagePlacement(NamespaceBinding):
         since = [b - a for a, b in zip(self._busy_before, busy)]
         self._busy_before = busy
         supernet = supernet_of(self.lightning_module)
-        ranges = rebalanced(self.stage_ranges, since, self._split_costs[0], tied_cuts(supernet))
+        ranges = rebalanced(self.stage_ranges, since, self._split_costs[0], shared_buffer_cuts(supernet))
         if ranges is not None:
             shares = ", ".join(f"{b:.2f}" for b in since)
             self._move_to(ranges, f"rebalanced: stage busy seconds over the last {self.rebalance_every} windows "
@@ -106,7 +106,9 @@ class StagePlacement(NamespaceBinding):
     def _owned(self) -> set[int]:
         assert self.engine is not None
         supernet = supernet_of(self.lightning_module)
-        return {id(p) for i in self.engine.blocks for p in supernet.blocks[i].parameters()}
+        first, own = first_blocks(list(supernet.blocks)), self.engine.blocks
+        # A weight tied to an earlier stage's block is that stage's: this one holds a copy, no optimizer state.
+        return {id(p) for i in own for p in supernet.blocks[i].parameters() if first[id(p)] in own}
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_naspipe import wire
 from lightning_naspipe.engine import Engine, EngineModule
 from lightning_naspipe.executor import Window
+from lightning_naspipe.offload import Offloader
 from lightning_naspipe.schedule import NORMS, Schedule
 
 
@@ -108,19 +109,28 @@ class LocalTransport:
 
 
 
-def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches: Sequence[Any], window: int,
-                    chunks: int = 1, schedule: str = "csp", lookahead: bool = True,
+def train_pipelined(module: EngineModule | Sequence[EngineModule], stage_blocks: Sequence[range],
+                    batches: Sequence[Any], window: int, chunks: int = 1, schedule: str = "csp", lookahead: bool = True,
                     engines: list[Engine] | None = None, epoch_ends: Sequence[int] = (),
-                    defer_weight_grads: bool | None = None, clip_norms: bool | None = None) -> list[Tensor]:
+                    defer_weight_grads: bool | None = None, clip_norms: bool | None = None,
+                    offload: bool = False) -> list[Tensor]:
     """Train ``batches`` through ``len(stage_blocks)`` stages in this process; the per-subnet losses.
     Each window is given the next one's batches, as the strategy does; ``engines`` (if given) is filled
     with the stage engines. Before each window starting at one of ``epoch_ends``, the window before
     was given other batches as its next (an epoch that ended early) and the lookahead is dropped.
-    ``defer_weight_grads`` and ``clip_norms`` as for :class:`~lightning_naspipe.engine.Engine`."""
+    ``defer_weight_grads`` and ``clip_norms`` as for :class:`~lightning_naspipe.engine.Engine`.
+    ``module``: one the stages share, or one per stage (copies, as stage processes hold; ``offload``: each
+    stage keeps its blocks in a host copy, see :class:`~lightning_naspipe.offload.Offloader`)."""
+    modules = list(module) if isinstance(module, Sequence) else [module] * len(stage_blocks)
     world = _World(len(stage_blocks))
     built = [Engine(stage_blocks, stage=s, chunks=chunks, transport=LocalTransport(world, s), schedule=schedule,
                     lookahead=lookahead, defer_weight_grads=defer_weight_grads, clip_norms=clip_norms)
              for s in range(len(stage_blocks))]
+    if offload:
+        assert len({id(m) for m in modules}) == len(modules), "offloading stages need module copies of their own"
+        for s, (engine, own) in enumerate(zip(built, modules)):
+            engine.offloader = Offloader(own.supernet.stage_resources(stage_blocks[s]), own.optimizers().optimizer,
+                                         torch.device("cpu"))
     if engines is not None:
         engines[:] = built
     losses: list[Tensor] = []
@@ -128,7 +138,7 @@ def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches
 
     threads_per_op = torch.get_num_threads()
 
-    def stage_thread(engine: Engine, windows: list[Window]) -> None:
+    def stage_thread(engine: Engine, windows: list[Window], module: EngineModule) -> None:
         # OpenMP's thread count is per OS thread: a new thread would compute with the default count
         # (all cores), and kernels that split work across threads sum in another order.
         torch.set_num_threads(threads_per_op)
@@ -146,7 +156,8 @@ def train_pipelined(module: EngineModule, stage_blocks: Sequence[range], batches
                 world.baton.notify_all()
 
     results: list[list[Window]] = [[] for _ in built]
-    threads = [threading.Thread(target=stage_thread, args=(e, r), daemon=True) for e, r in zip(built, results)]
+    threads = [threading.Thread(target=stage_thread, args=(e, r, m), daemon=True)
+               for e, r, m in zip(built, results, modules)]
     for t in threads:
         t.start()
     for t in threads:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.partition import balanced_split, block_weights, stage_ranges, tied_cuts
+from lightning_naspipe.partition import balanced_split, block_weights, shared_buffer_cuts, stage_ranges
 
 
 def _net() -> lnp.Supernet:
@@ -59,14 +59,18 @@ def test_bad_partitions(stages: int, balance: list[int] | None, needle: str) -> 
         stage_ranges(_net(), stages, balance)
 
 
-def test_tied_weights_stay_on_one_stage() -> None:
+def test_tied_weights_may_span_stages_but_shared_buffers_stay_on_one() -> None:
     embedding, head = nn.Embedding(5, 4), nn.Linear(4, 5)
-    head.weight = embedding.weight  # two modules, one Parameter
+    head.weight = embedding.weight  # two modules, one Parameter: each stage holds a copy (lightning_naspipe.ties)
     net = lnp.Supernet(embedding, nn.ReLU(), nn.Linear(4, 4), lnp.ChoiceBlock([head, nn.Linear(4, 5)]), nn.Tanh())
-    assert tied_cuts(net) == {1, 2, 3}
-    assert stage_ranges(net, 2) == [range(0, 4), range(4, 5)]  # the only split that keeps them together
-    with pytest.raises(lnp.NASPipeConfigError, match="tied weights"):
+    assert shared_buffer_cuts(net) == set()
+    assert stage_ranges(net, 2, balance=[2, 3]) == [range(0, 2), range(2, 5)]
+    assert len(stage_ranges(net, 3)) == 3
+    norm = nn.BatchNorm1d(4)  # running statistics every forward changes: one stage
+    net = lnp.Supernet(nn.Linear(4, 4), norm, nn.ReLU(), lnp.ChoiceBlock([norm, nn.Identity()]), nn.Tanh())
+    assert shared_buffer_cuts(net) == {2, 3}
+    assert stage_ranges(net, 2) in ([range(0, 1), range(1, 5)], [range(0, 4), range(4, 5)])
+    with pytest.raises(lnp.NASPipeConfigError, match="share a buffer"):
         stage_ranges(net, 2, balance=[2, 3])
-    with pytest.raises(lnp.NASPipeConfigError, match="tied weights"):
-        stage_ranges(net, 3)
-
+    with pytest.raises(lnp.NASPipeConfigError, match="shared buffers"):
+        stage_ranges(net, 4)
