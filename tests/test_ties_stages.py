@@ -1,0 +1,51 @@
+"""A weight tied across stages in stage processes (gloo on CPU): the GPT-style space of test_ties.py trains on
+3 stage processes, moving a block that reads the tied weight between stages every window, stops mid-epoch with
+a checkpoint, and resumes on 2 stages; weights, Adam state, training and validation losses equal the plain
+one-device Trainer's bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import assert_same_state, pl, trainer_kwargs
+from test_pipeline import run_ranks, torchrun_env
+from tied_run import GPTNet, loader
+
+SCRIPT = Path(__file__).with_name("tied_run.py")
+
+
+def _state(ckpt: Path) -> dict[str, Any]:
+    raw = torch.load(ckpt, weights_only=False)
+    return {"model": raw["state_dict"], "optimizer": raw["optimizer_states"][0],
+            "losses": torch.load(f"{ckpt}.losses", weights_only=False), "global_step": raw["global_step"]}
+
+
+@pytest.mark.slow
+def test_tied_embedding_on_three_stages_resumed_on_two_equals_the_plain_trainer(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    pl.seed_everything(7, verbose=False)
+    model = GPTNet()
+    trainer = pl.Trainer(**trainer_kwargs())
+    trainer.fit(model, loader(), loader(samples=24, shuffle=False))
+    plain_ckpt = tmp_path / "plain.ckpt"
+    trainer.save_checkpoint(plain_ckpt)
+    torch.save(model.losses, f"{plain_ckpt}.losses")
+
+    stop = tmp_path / "stop.ckpt"
+    run_ranks(tmp_path, SCRIPT, ["--out", str(stop), "--devices", "3", "--max-steps", "10", "--move-tied-block"],
+              torchrun_env(3))
+    assert torch.load(f"{stop}.ranges", weights_only=False) in ([range(0, 3), range(3, 5), range(5, 7)],
+                                                                [range(0, 4), range(4, 5), range(5, 7)])
+    resumed = tmp_path / "resumed.ckpt"
+    run_ranks(tmp_path, SCRIPT, ["--out", str(resumed), "--devices", "2", "--window", "8", "--resume", str(stop)],
+              torchrun_env(2))
+    ranges = torch.load(f"{resumed}.ranges", weights_only=False)
+    assert 0 in ranges[0] and 6 in ranges[1], "the embedding and the head it is tied to are on different stages"
+    assert_same_state(_state(plain_ckpt), _state(resumed))
+    val = torch.load(f"{resumed}.val_losses", weights_only=False)
+    assert val.keys() == model.val_losses.keys() and len(val) == 6  # 3 batches at each of 2 epochs' ends
+    assert all(torch.equal(val[key], model.val_losses[key]) for key in val)
