@@ -33,6 +33,8 @@ class PipelineRunner(Protocol):
 
     def report_stages(self) -> None: ...
 
+    def window_trained(self) -> None: ...
+
     def stage_metrics(self) -> dict[str, float]: ...
 
     def upcoming_batches(self, first_index: int) -> list[Any] | None: ...
@@ -203,7 +205,7 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 reopen_epoch(checkpoint, data["epoch"])
             data["epoch_open"] = epoch_open(checkpoint)
             if data["epoch_open"]:
-                state["train_loss_sum"] = epoch_loss_sum(trainer)
+                state["train_loss_sum"] = epoch_loss_sum(pl_module, data["epoch"])
             # _should_check_val_epoch (private, Lightning 2.6): whether the epoch validates at its end.
             if data["finished"] and data["epoch_open"]:
                 finish_last_window(checkpoint, trainer.fit_loop.epoch_loop._should_check_val_epoch())

@@ -49,6 +49,7 @@ class DataTracker:
         self._yielded = 0  # batches handed to Lightning this epoch (skipped ones included)
         self._read = 0  # batches read from this epoch's iterator (skipped ones and read-ahead included)
         self._started: tuple[int, int] | None = None  # (epoch, global step) where an epoch iterator last started
+        self._trained: tuple[torch.Tensor, list[torch.Tensor], int] | None = None  # see window_trained
         self._windows = 0
         self._exhausted = False
         self._resume: dict[str, Any] | None = None
@@ -61,16 +62,27 @@ class DataTracker:
         trainer = self._trainer()
         position = self.position()
         done = self._exhausted or self._windows >= trainer.num_training_batches
+        finished = done and position >= self._yielded
+        # A run resumed inside the epoch goes on from its last trained window: the RNGs as they were there,
+        # not after what came since (e.g. the validation Lightning runs when max_steps stops a fit).
+        rng, generators, read = (self._now() if finished or self._trained is None else self._trained)
         return {
             "epoch": self._epoch,
             "epoch_rng": self._epoch_rng,
-            "rng": torch.get_rng_state(),
+            "rng": rng,
             "epoch_generators": self._epoch_generator_states,
-            "generators": [g.get_state() for g in self._generators],
+            "generators": generators,
             "position": position,
-            "read": self._read,
-            "finished": done and position >= self._yielded,
+            "read": read,
+            "finished": finished,
         }
+
+    def window_trained(self) -> None:
+        """A window of this epoch was trained: where a run resumed inside the epoch goes on from."""
+        self._trained = self._now()
+
+    def _now(self) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        return torch.get_rng_state(), [g.get_state() for g in self._generators], self._read
 
     def position(self) -> int:
         """Subnets trained in this epoch so far (a resumed run's included)."""
@@ -148,6 +160,7 @@ class DataTracker:
         if self._after_skip is not None:
             self._set_states(self._after_skip["rng"], self._after_skip.get("generators", []))
             self._after_skip = None
+        self.window_trained()  # (none yet this epoch: its start)
 
     def end_epoch_at(self, position: int) -> None:
         """The epoch ends after its first ``position`` subnets (``on_train_batch_start`` returned -1)."""

@@ -125,21 +125,25 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
         # Lightning logs the window's last subnet itself, after training_step; the others here, as it would.
         if position < len(logged) - 1 and connector.should_update_logs:
             connector.update_train_step_metrics()
+    if key is not None:  # the epoch's running sum so far (Lightning replaces, never changes, these tensors)
+        metric = results[key]
+        module.__dict__[EPOCH_SUM] = (trainer.current_epoch, metric.value, metric.cumulated_batch_size)
 
 
 #: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.
 RESUMED_SUM = "_naspipe_resumed_loss_sum"
+#: ``(epoch, sum, batch count)`` behind ``train_loss_epoch`` after the last logged window.
+EPOCH_SUM = "_naspipe_epoch_loss_sum"
 
 
-def epoch_loss_sum(trainer: Any) -> dict[str, Tensor] | None:
-    """The running sum behind ``train_loss_epoch`` (and its batch count) so far this epoch, for a checkpoint
-    written inside the epoch: Lightning does not save it, and a run resumed there would average only the
-    subnets after the checkpoint."""
-    results = trainer.fit_loop.epoch_loop._results  # the training loop's, also while validation runs
-    metric = results.get(f"training_step.{TRAIN_LOSS}")
-    if metric is None or metric.has_reset:
+def epoch_loss_sum(module: Any, epoch: int) -> dict[str, Tensor] | None:
+    """The running sum behind ``train_loss_epoch`` (and its batch count) after the last window of ``epoch``,
+    for a checkpoint written inside that epoch: Lightning does not save it (and resets it when ``max_steps``
+    stops the epoch), and a run resumed there would average only the subnets after the checkpoint."""
+    kept = module.__dict__.get(EPOCH_SUM)
+    if kept is None or kept[0] != epoch:
         return None
-    return {"value": metric.value.clone(), "cumulated_batch_size": metric.cumulated_batch_size.clone()}
+    return {"value": kept[1].clone(), "cumulated_batch_size": kept[2].clone()}
 
 
 def _continue_epoch_sum(module: Any, metric: Any) -> bool:

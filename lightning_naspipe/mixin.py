@@ -190,6 +190,7 @@ class NASPipeMixin:
         finally:
             self.__dict__["_naspipe_records_logs"], engine.after_update = False, None
         if pipeline is not None:
+            pipeline.window_trained()
             pipeline.report_stages()
             for name, value in pipeline.stage_metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)

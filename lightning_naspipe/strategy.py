@@ -336,6 +336,10 @@ class NASPipeStrategy(StagePlacement):
         stages = gather_objects(mine, self.world_size)
         return {f"{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
 
+    def window_trained(self) -> None:
+        """A window was trained (every stage): a checkpoint inside the epoch resumes from here."""
+        self.data_tracker.window_trained()
+
     def report_stages(self) -> None:
         """Log the stage table (:mod:`.stage_table`) on rank 0 once, after the first window (collective)."""
         if self._stages_reported:

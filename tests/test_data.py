@@ -37,6 +37,7 @@ def test_resume_replays_the_shuffle_and_skips_trained_batches() -> None:
     iterator = iter(WindowLoader(loader, 2, tracker))
     first = [next(iterator), next(iterator)]
     trainer.global_step = 3  # e.g. max_steps stopped inside the second window
+    tracker.window_trained()
     state = tracker.state_dict()
     assert state["position"] == 3 and not state["finished"]
     rest = [w for w in iterator]

@@ -95,8 +95,9 @@ class EpochEndWeights(pl.Callback):  # type: ignore[misc]
 
 
 def fit(strategy: StrategyFactory, loader: Any = None, ckpt_path: Any = None, callbacks: tuple[Any, ...] = (),
-        model_class: type | None = None, **overrides: Any) -> dict[str, Any]:
-    """Fit with validation and a Recorder; the full state and logged rows (a loader crash is caught)."""
+        model_class: type | None = None, save_to: Path | None = None, **overrides: Any) -> dict[str, Any]:
+    """Fit with validation and a Recorder; the full state and logged rows (a loader crash is caught). With
+    ``save_to``, ``trainer.save_checkpoint`` there after fit."""
     torch.set_num_threads(1)
     pl.seed_everything(7, verbose=False)
     model, logger = (model_class or ToyNet)(), Recorder()
@@ -107,10 +108,13 @@ def fit(strategy: StrategyFactory, loader: Any = None, ckpt_path: Any = None, ca
         kwargs["devices"] = int(os.environ.get("WORLD_SIZE", 1))  # every stage process of the launch
     trainer = pl.Trainer(**kwargs)
     try:
-        trainer.fit(model, loader if loader is not None else toy_loader(), toy_loader(samples=16, shuffle=False),
+        # A shuffled validation loader: its permutation comes from the global RNG, as the training loader's.
+        trainer.fit(model, loader if loader is not None else toy_loader(), toy_loader(samples=16, shuffle=True),
                     ckpt_path=ckpt_path)
     except LoaderCrash:
         pass
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return {**full_state(model, trainer), "rows": logger.rows}
 
 
@@ -124,10 +128,18 @@ def every_12_steps(folder: Path) -> Any:
     return pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_train_steps=12, save_top_k=-1, filename="{step}")
 
 
+def saved_after_fit(folder: Path) -> Any:
+    """No callback: the run stops at ``max_steps`` and the script saves a checkpoint after fit."""
+    return pl.callbacks.Callback()
+
+
 #: Resume points: (callback making the checkpoint, loader, file, subnets trained before it, whether the
 #: epoch before it had validated). An epoch has 12 batches; a checkpoint in an epoch's last window comes
 #: before its validation.
 RESUME_POINTS: dict[str, tuple[Callable[[Path], Any], Callable[[], Any] | None, str, int, bool]] = {
+    "max_steps inside an epoch, saved after fit": (saved_after_fit, None, "stopped.ckpt", 16, True),
+    "max_steps at an epoch's end, saved after fit": (saved_after_fit, None, "stopped.ckpt", 24, True),
+    "max_steps inside a window, saved after fit": (saved_after_fit, None, "stopped.ckpt", 10, True),
     "epoch's last window": (every_12_steps, None, "step=12.ckpt", 12, False),
     "another epoch's last window": (every_12_steps, None, "step=24.ckpt", 24, False),
     "exception at an epoch's first window": (pl.callbacks.OnExceptionCheckpoint, lambda: CrashingLoader(14),
@@ -142,10 +154,12 @@ RESUME_POINTS: dict[str, tuple[Callable[[Path], Any], Callable[[], Any] | None, 
 def resumed(strategy: StrategyFactory, point: str, folder: Path) -> dict[str, Any]:
     """Fit into the checkpoint of resume point ``point``, then fit 3 epochs from it."""
     callback, loader, name, step, _ = RESUME_POINTS[point]
+    stop = dict(max_steps=step, save_to=folder / name) if callback is saved_after_fit else {}
     fit(strategy, loader() if loader else None, callbacks=(callback(folder),), enable_checkpointing=True,
-        max_epochs=3)
+        max_epochs=3, **stop)
     assert torch.load(folder / name, weights_only=False)["global_step"] == step
-    return fit(strategy, ckpt_path=folder / name, max_epochs=3)
+    # Resumed with the same kind of loader, as a user does (one that no longer fails).
+    return fit(strategy, CrashingLoader(-1) if loader else None, ckpt_path=folder / name, max_epochs=3)
 
 
 def with_epoch_end_weights(strategy: StrategyFactory) -> dict[str, Any]:
