@@ -201,6 +201,9 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
         strategy, max_epochs=1, deterministic=True, detect_anomaly=True, profiler="simple"),
     "max_steps mid-window": lambda strategy, folder: fit(strategy, max_epochs=-1, max_steps=15),
     "DataLoader(num_workers=2)": lambda strategy, folder: fit(strategy, max_epochs=2, loader=worker_loader()),
+    "gradient_clip_val (norm)": lambda strategy, folder: fit(strategy, max_epochs=2, gradient_clip_val=0.2),
+    "gradient_clip_val (value)": lambda strategy, folder: fit(strategy, max_epochs=2, gradient_clip_val=0.05,
+                                                              gradient_clip_algorithm="value"),
     **{f"resume: {point}": (lambda strategy, folder, point=point: resumed(strategy, point, folder))
        for point in RESUME_POINTS},
 }
