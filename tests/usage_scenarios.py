@@ -140,6 +140,12 @@ RESUME_POINTS: dict[str, tuple[Callable[[Path], Any], Callable[[], Any] | None, 
     "max_steps inside an epoch, saved after fit": (saved_after_fit, None, "stopped.ckpt", 16, True),
     "max_steps at an epoch's end, saved after fit": (saved_after_fit, None, "stopped.ckpt", 24, True),
     "max_steps inside a window, saved after fit": (saved_after_fit, None, "stopped.ckpt", 10, True),
+    "ModelCheckpoint(monitor=val_loss) at validation end": (
+        lambda folder: pl.callbacks.ModelCheckpoint(dirpath=folder, monitor="val_loss", save_top_k=-1,
+                                                    filename="{epoch}"), None, "epoch=0.ckpt", 12, True),
+    "ModelCheckpoint at train epoch end": (
+        lambda folder: pl.callbacks.ModelCheckpoint(dirpath=folder, save_top_k=-1, save_on_train_epoch_end=True,
+                                                    filename="{epoch}"), None, "epoch=1.ckpt", 24, True),
     "epoch's last window": (every_12_steps, None, "step=12.ckpt", 12, False),
     "another epoch's last window": (every_12_steps, None, "step=24.ckpt", 24, False),
     "exception at an epoch's first window": (pl.callbacks.OnExceptionCheckpoint, lambda: CrashingLoader(14),
