@@ -6,18 +6,20 @@ Importing the package registers ``strategy="naspipe"`` with every installed Ligh
 
 from lightning_naspipe.callback import NASPipeCallback
 from lightning_naspipe.cells import Cell, Zero
-from lightning_naspipe.choice import InputChoice, When
+from lightning_naspipe.choice import Architecture, InputChoice, When
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.export import load_subnet, save_subnet
 from lightning_naspipe.freezing import recalibrate_batchnorm
 from lightning_naspipe.mixin import NASPipeMixin
 from lightning_naspipe.search_loop import SearchResult, search
 from lightning_naspipe.cli import naspipe_cli
-from lightning_naspipe.searchers import EvolutionSearch, GridSearch, RandomSearch, SPOSSearch
+from lightning_naspipe.searchers import EvolutionSearch, GridSearch, RandomSearch, Record, Searcher, SPOSSearch
 from lightning_naspipe.strategy import NASPipeStrategy
 from lightning_naspipe.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.transport import StageFailure
 
-__all__ = ["Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch", "InputChoice", "NASPipeCallback",
-           "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "SPOSSearch", "SearchResult",
-           "Supernet", "When", "Zero", "load_subnet", "naspipe_cli", "recalibrate_batchnorm", "save_subnet", "search"]
+__all__ = ["Architecture", "Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch", "InputChoice", "NASPipeCallback",
+           "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch",
+           "SearchResult", "Searcher", "StageFailure", "Supernet", "When", "Zero", "__version__", "load_subnet",
+           "naspipe_cli", "recalibrate_batchnorm", "save_subnet", "search"]
 __version__ = "0.1.0"
