@@ -91,15 +91,6 @@ def validate_run(trainer: Any, module: object) -> None:
             "subnet-by-subnet contract (it would train something else silently). Use Trainer(strategy=\"naspipe\", "
             "devices=N) for N pipeline stages, or one device."
         )
-    from lightning_naspipe.mixin import NASPipeMixin  # (the mixin imports this module)
-
-    if getattr(type(module), "training_step", None) is not NASPipeMixin.training_step:
-        raise NASPipeConfigError(
-            f"{type(module).__name__} overrides training_step; NASPipe's own trains one subnet per batch (a window "
-            "of subnets per batch under strategy=\"naspipe\") and steps the optimizer per subnet. Remove it: put the "
-            "loss in compute_loss(output, batch), per-subnet work in on_train_subnet_end(index, architecture, "
-            "loss), and what the first block receives in pipeline_input(batch)."
-        )
     if isinstance(trainer.strategy, PipelineRunner):
         _refuse_batch_counted_triggers(trainer, getattr(trainer.strategy, "window", 1))
     if getattr(module, "automatic_optimization", False):

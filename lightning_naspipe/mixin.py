@@ -161,6 +161,13 @@ class NASPipeMixin:
     def configure_callbacks(self) -> Any:
         """Adds :class:`NASPipeCallback`; call ``super().configure_callbacks()`` when overriding."""
         module: Any = self
+        if type(self).training_step is not NASPipeMixin.training_step:
+            raise NASPipeConfigError(
+                f"{type(self).__name__} overrides training_step; NASPipe's own trains one subnet per batch (a window "
+                "of subnets per batch under strategy=\"naspipe\") and steps the optimizer per subnet. Remove it: put "
+                "the loss in compute_loss(output, batch), per-subnet work in on_train_subnet_end(index, architecture, "
+                "loss), and what the first block receives in pipeline_input(batch)."
+            )
         if module._trainer is not None:
             validate_run(module.trainer, self)  # before Lightning's own, less fitting, advice
             if module.trainer.state.fn == "fit":
