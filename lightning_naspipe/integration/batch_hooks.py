@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_naspipe.data import DataTracker
+from lightning_naspipe.integration.data import DataTracker
 
 __all__ = ["call_per_subnet_batch"]
 

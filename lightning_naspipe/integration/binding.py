@@ -16,10 +16,10 @@ from typing import Any, ClassVar
 
 from typing_extensions import override
 
-from lightning_naspipe.checkpoint_io import atomic_checkpoint_io
+from lightning_naspipe.integration.checkpoint_io import atomic_checkpoint_io
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace, installed, namespace_of
-from lightning_naspipe.processes import StageProcesses
+from lightning_naspipe.integration.processes import StageProcesses
 
 _BOUND: dict[str, type[NamespaceBinding]] = {}
 _NAMES = {"lightning.pytorch": "LightningNASPipeStrategy", "pytorch_lightning": "PytorchLightningNASPipeStrategy"}

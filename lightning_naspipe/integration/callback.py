@@ -11,18 +11,18 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from lightning_naspipe.clipping import hide_from_validator, restore
-from lightning_naspipe.loop_state import epoch_open, finish_last_window, reopen_epoch
+from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
+from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
+from lightning_naspipe.integration.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
 from lightning_naspipe.namespaces import installed
-from lightning_naspipe.optim import step_schedulers
-from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.pipeline.optim import step_schedulers
+from lightning_naspipe.space.supernet import supernet_of
 
 CHECKPOINT_KEY = "naspipe"
 
 if TYPE_CHECKING:
-    from lightning_naspipe.engine import Engine
+    from lightning_naspipe.pipeline.engine import Engine
 
 
 @runtime_checkable
@@ -91,7 +91,7 @@ def validate_run(trainer: Any, module: object) -> None:
             "subnet-by-subnet contract (it would train something else silently). Use Trainer(strategy=\"naspipe\", "
             "devices=N) for N pipeline stages, or one device."
         )
-    from lightning_naspipe.mixin import NASPipeMixin  # (the mixin imports this module)
+    from lightning_naspipe.integration.mixin import NASPipeMixin  # (the mixin imports this module)
 
     if getattr(type(module), "training_step", None) is not NASPipeMixin.training_step:
         raise NASPipeConfigError(

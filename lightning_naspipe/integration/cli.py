@@ -25,12 +25,12 @@ from functools import cache
 from typing import Any, Optional, Union
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.export import save_subnet
-from lightning_naspipe.freezing import recalibrate_batchnorm
+from lightning_naspipe.searching.export import save_subnet
+from lightning_naspipe.space.freezing import recalibrate_batchnorm
 from lightning_naspipe.namespaces import Namespace, installed, namespace_of
-from lightning_naspipe.search_loop import SearchResult, search
-from lightning_naspipe.searchers import EvolutionSearch, GridSearch, RandomSearch, SPOSSearch
-from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.searching.search_loop import SearchResult, search
+from lightning_naspipe.searching.searchers import EvolutionSearch, GridSearch, RandomSearch, SPOSSearch
+from lightning_naspipe.space.supernet import supernet_of
 
 __all__ = ["naspipe_cli"]
 

@@ -79,7 +79,7 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
                       batch_starts: dict[int, list[dict[str, float]]] | None = None) -> None:
     """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) and what its
     ``compute_loss`` logged (``records``: ``(index, name, value, args, kwargs)`` of each ``self.log`` call,
-    see :class:`~lightning_naspipe.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
+    see :class:`~lightning_naspipe.pipeline.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
     own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped. ``batch_starts``: the
     points of :class:`BatchStartPoints`, logged first in their subnet's turn.
 

@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
-from lightning_naspipe.callback import NASPipeCallback, PipelineRunner, keep_scheduler_monitors, validate_run
-from lightning_naspipe.engine import Engine
+from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRunner, keep_scheduler_monitors,
+                                                    validate_run)
+from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.executor import Window, loss_context
-from lightning_naspipe.loss_log import BatchStartPoints, log_window_losses
+from lightning_naspipe.pipeline.executor import Window, loss_context
+from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses
 from lightning_naspipe.namespaces import installed, namespace_of
-from lightning_naspipe.sampling import EVAL_DOMAIN, mix, uniform_architecture
-from lightning_naspipe.supernet import Architecture, Supernet, supernet_of
+from lightning_naspipe.pipeline.sampling import EVAL_DOMAIN, mix, uniform_architecture
+from lightning_naspipe.space.supernet import Architecture, Supernet, supernet_of
 
 if TYPE_CHECKING:
-    from lightning_naspipe.engine import EngineModule
+    from lightning_naspipe.pipeline.engine import EngineModule
 
 
 class NASPipeMixin:

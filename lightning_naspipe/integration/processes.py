@@ -26,10 +26,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightning_naspipe.affinity import core_share, pin_process
+from lightning_naspipe.integration.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
-from lightning_naspipe.transport import StageFailure
+from lightning_naspipe.transport.p2p import StageFailure
 
 TBroadcast = TypeVar("TBroadcast")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -67,6 +67,9 @@ class StageProcesses(_StrategyBase):
     _affinity_before: set[int] | None = None
     #: The stage processes this one launched (rank 0 under Lightning's popen launcher).
     _children: Sequence[subprocess.Popen[bytes]] = ()
+    #: Marks a strategy with one process per stage; ``searching.search_loop`` checks it without
+    #: importing this module (searching sits below the Lightning glue).
+    _naspipe_stage_processes: bool = True
 
     @property
     @override

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from lightning_naspipe.data import DataTracker
+from lightning_naspipe.integration.data import DataTracker
 from lightning_naspipe.namespaces import namespace_of
 
 if TYPE_CHECKING:  # checked against one namespace's API; at run time mixed into either's bars

@@ -15,15 +15,16 @@ from typing import Any
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_naspipe.binding import NamespaceBinding
-from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state, sync_stage_weights
-from lightning_naspipe.engine import Engine
-from lightning_naspipe.offload import Offloader, estimated_bytes
-from lightning_naspipe.partition import shared_buffer_cuts, stage_ranges
-from lightning_naspipe.placement import first_blocks, move_blocks, place_module, rebalanced
-from lightning_naspipe.processes import saving_is_collective
-from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.integration.binding import NamespaceBinding
+from lightning_naspipe.planning.block_timing import agreed_timed_weights
+from lightning_naspipe.transport.distributed import (drop_foreign_state, gather_objects, gather_optimizer_state,
+                                                     sync_stage_weights)
+from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.offload.offload import Offloader, estimated_bytes
+from lightning_naspipe.pipeline.partition import shared_buffer_cuts, stage_ranges
+from lightning_naspipe.pipeline.placement import first_blocks, move_blocks, place_module, rebalanced
+from lightning_naspipe.integration.processes import saving_is_collective
+from lightning_naspipe.space.supernet import supernet_of
 
 
 class StagePlacement(NamespaceBinding):

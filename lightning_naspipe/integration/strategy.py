@@ -18,31 +18,31 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_naspipe.arguments import check_all
-from lightning_naspipe.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
-from lightning_naspipe.binding import bind_classes
-from lightning_naspipe.callback import StageWeightsSync
-from lightning_naspipe.block_timing import agreed_timed_weights
-from lightning_naspipe.data import (
+from lightning_naspipe.integration.arguments import check_all
+from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
+from lightning_naspipe.integration.binding import bind_classes
+from lightning_naspipe.integration.callback import StageWeightsSync
+from lightning_naspipe.planning.block_timing import agreed_timed_weights
+from lightning_naspipe.integration.data import (
     DataTracker,
     WindowLoader,
     refuse_distributed_sampler,
     train_batch_limit,
     transfer_hooks_overridden,
 )
-from lightning_naspipe.distributed import drop_foreign_state, gather_objects, gather_optimizer_state
-from lightning_naspipe.engine import Engine
+from lightning_naspipe.transport.distributed import drop_foreign_state, gather_objects, gather_optimizer_state
+from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.microbatch import check_batch_sizes
-from lightning_naspipe.mixin import NASPipeMixin
-from lightning_naspipe.partition import block_weights, stage_ranges
-from lightning_naspipe.preemption import SigtermAgreement
-from lightning_naspipe.progress import count_subnets
-from lightning_naspipe.stage_table import chunks_hint, stage_table
-from lightning_naspipe.supernet import supernet_of
-from lightning_naspipe.stage_placement import StagePlacement
-from lightning_naspipe.telemetry import StageTelemetry, write_trace_files
-from lightning_naspipe.transport import P2PTransport
+from lightning_naspipe.pipeline.microbatch import check_batch_sizes
+from lightning_naspipe.integration.mixin import NASPipeMixin
+from lightning_naspipe.pipeline.partition import block_weights, stage_ranges
+from lightning_naspipe.integration.preemption import SigtermAgreement
+from lightning_naspipe.integration.progress import count_subnets
+from lightning_naspipe.pipeline.stage_table import chunks_hint, stage_table
+from lightning_naspipe.space.supernet import supernet_of
+from lightning_naspipe.integration.stage_placement import StagePlacement
+from lightning_naspipe.pipeline.telemetry import StageTelemetry, write_trace_files
+from lightning_naspipe.transport.p2p import P2PTransport
 
 
 # Lightning advises self.log(..., sync_dist=True) for epoch-level metrics of a distributed run. Every

@@ -20,15 +20,15 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_naspipe.clipping import UpdateClipping, clips, clips_by_norm
-from lightning_naspipe.executor import StageExecutor, StageModule, Transport, Window
-from lightning_naspipe.grad_norm import NormExchange
-from lightning_naspipe.lookahead import plan_step
-from lightning_naspipe.microbatch import split_batch
-from lightning_naspipe.optim import resource_parameters, restrict_param_groups, step_schedulers
-from lightning_naspipe.offload import Offloader
-from lightning_naspipe.residency import WindowResidency, memory_conflicts
-from lightning_naspipe.schedule import (
+from lightning_naspipe.pipeline.clipping import UpdateClipping, clips, clips_by_norm
+from lightning_naspipe.pipeline.executor import StageExecutor, StageModule, Transport, Window
+from lightning_naspipe.pipeline.grad_norm import NormExchange
+from lightning_naspipe.pipeline.lookahead import plan_step
+from lightning_naspipe.pipeline.microbatch import split_batch
+from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
+from lightning_naspipe.pipeline.offload.offload import Offloader
+from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
+from lightning_naspipe.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     SCHEDULES,
@@ -39,10 +39,10 @@ from lightning_naspipe.schedule import (
     scheduling_resources,
     with_ties,
 )
-from lightning_naspipe.supernet import Resource, Supernet
-from lightning_naspipe.telemetry import StageTelemetry
-from lightning_naspipe.ties import TieRoutes, ties_of
-from lightning_naspipe.weight_grads import DeferralChooser, serialised
+from lightning_naspipe.space.supernet import Resource, Supernet
+from lightning_naspipe.pipeline.telemetry import StageTelemetry
+from lightning_naspipe.pipeline.ties import TieRoutes, ties_of
+from lightning_naspipe.pipeline.weight_grads import DeferralChooser, serialised
 
 
 @dataclass

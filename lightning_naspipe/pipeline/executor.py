@@ -17,14 +17,14 @@ from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
 
-from lightning_naspipe.boundary import backward_through, cut, device_of, leaf_grads
+from lightning_naspipe.transport.boundary import backward_through, cut, device_of, leaf_grads
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.sampling import keyed_rng
-from lightning_naspipe.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
-from lightning_naspipe.supernet import Architecture, Supernet
-from lightning_naspipe.telemetry import StageTelemetry
-from lightning_naspipe.ties import TieRoutes
-from lightning_naspipe.weight_grads import DeferredWeights
+from lightning_naspipe.pipeline.sampling import keyed_rng
+from lightning_naspipe.pipeline.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.space.supernet import Architecture, Supernet
+from lightning_naspipe.pipeline.telemetry import StageTelemetry
+from lightning_naspipe.pipeline.ties import TieRoutes
+from lightning_naspipe.pipeline.weight_grads import DeferredWeights
 
 
 _T = TypeVar("_T")

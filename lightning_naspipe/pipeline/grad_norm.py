@@ -35,7 +35,7 @@ from torch.utils._foreach_utils import (  # private torch API: what clip_grad_no
 )
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.wire import CODE, DTYPES
+from lightning_naspipe.transport.wire import CODE, DTYPES
 
 __all__ = ["NormExchange", "NormLinks", "StageNorms", "combine", "local_norms", "total_norm"]
 

@@ -31,8 +31,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from lightning_naspipe.actions import CostFn
-from lightning_naspipe.schedule import FORWARD, Action, Schedule, build_schedule
+from lightning_naspipe.pipeline.actions import CostFn
+from lightning_naspipe.pipeline.schedule import FORWARD, Action, Schedule, build_schedule
 
 __all__ = ["StepPlan", "plan_step"]
 

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.supernet import ResourceState
+from lightning_naspipe.space.supernet import ResourceState
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_naspipe.distributed import broadcast_tensors_, hand_over_optimizer_state
-from lightning_naspipe.supernet import Supernet
+from lightning_naspipe.transport.distributed import broadcast_tensors_, hand_over_optimizer_state
+from lightning_naspipe.space.supernet import Supernet
 
 
 def owner_of(ranges: Sequence[range], block: int) -> int:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Hashable, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 
-from lightning_naspipe.actions import (
+from lightning_naspipe.pipeline.actions import (
     BACKWARD,
     FORWARD,
     NORMS,
@@ -59,7 +59,7 @@ from lightning_naspipe.actions import (
     validated,
     with_ties,
 )
-from lightning_naspipe.schedule_rules import check_schedule, replay
+from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
 
 __all__ = ["BACKWARD", "FORWARD", "NORMS", "SCHEDULES", "UPDATE", "Action", "DeadlockError", "Schedule",
            "ScheduleError", "Ties", "build_schedule", "check_schedule", "replay", "scheduling_resources", "with_ties"]

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.placement import first_blocks, owner_of
-from lightning_naspipe.supernet import Resource, Supernet
+from lightning_naspipe.pipeline.placement import first_blocks, owner_of
+from lightning_naspipe.space.supernet import Resource, Supernet
 
 __all__ = ["Shared", "StageTies", "TieRoutes", "ties_of"]
 

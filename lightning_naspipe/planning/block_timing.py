@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_naspipe.boundary import map_tensors
+from lightning_naspipe.transport.boundary import map_tensors
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning.block_cost import BlockFailure, time_paths
 from lightning_naspipe.planning.space_spec import block_cost_ms
-from lightning_naspipe.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.space.supernet import ChoiceBlock, Supernet
 
 
 def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int = 4, repeats: int = 2,

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_naspipe.boundary import tensors_in
+from lightning_naspipe.transport.boundary import tensors_in
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.searchers import Record
+from lightning_naspipe.searching.searchers import Record
 
 __all__ = ["append_log", "fingerprint", "read_log"]
 

@@ -27,16 +27,15 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from lightning_naspipe.boundary import map_tensors, tensors_in
-from lightning_naspipe.choice import Architecture
-from lightning_naspipe.distributed import broadcast_object, gather_objects
+from lightning_naspipe.transport.boundary import map_tensors, tensors_in
+from lightning_naspipe.space.choice import Architecture
+from lightning_naspipe.transport.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.freezing import recalibrate_batchnorm
-from lightning_naspipe.processes import StageProcesses
-from lightning_naspipe.search_log import append_log, fingerprint, read_log
-from lightning_naspipe.search_plot import pareto_front, plot_search
-from lightning_naspipe.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
-from lightning_naspipe.supernet import Supernet, supernet_of
+from lightning_naspipe.space.freezing import recalibrate_batchnorm
+from lightning_naspipe.searching.search_log import append_log, fingerprint, read_log
+from lightning_naspipe.searching.search_plot import pareto_front, plot_search
+from lightning_naspipe.searching.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
+from lightning_naspipe.space.supernet import Supernet, supernet_of
 
 __all__ = ["SearchResult", "search"]
 
@@ -252,8 +251,8 @@ def _number(value: Any, what: str) -> float:
 
 def _check_launched(trainer: Any) -> None:
     """Refuse a multi-stage NASPipe trainer whose processes are not running: it would search on this one alone."""
-    strategy = getattr(trainer, "strategy", None)
-    if not isinstance(strategy, StageProcesses):
+    strategy: Any = getattr(trainer, "strategy", None)
+    if not getattr(strategy, "_naspipe_stage_processes", False):  # a StageProcesses (integration.processes)
         return
     stages = strategy.num_processes * strategy.num_nodes
     if stages > 1 and _world()[0] != stages:

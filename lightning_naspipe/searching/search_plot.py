@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.searchers import Record, ranking_key
+from lightning_naspipe.searching.searchers import Record, ranking_key
 
 __all__ = ["pareto_front", "plot_search"]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from lightning_naspipe.choice import Architecture
+from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.errors import NASPipeConfigError
 
 __all__ = ["EvolutionSearch", "GridSearch", "RandomSearch", "Record", "SPOSSearch", "SearchSpace", "Searcher"]

@@ -41,7 +41,7 @@ from typing import Optional, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.choice import InputChoice, When
+from lightning_naspipe.space.choice import InputChoice, When
 from lightning_naspipe.errors import NASPipeConfigError
 
 __all__ = ["Cell", "Zero"]

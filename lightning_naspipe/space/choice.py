@@ -171,7 +171,7 @@ def _active_choice(label: str | None, what: str) -> int:
         raise RuntimeError(
             f"A {what} (label {label!r}) runs the active subnet's choice, but none is active: run blocks through "
             "Supernet.forward(x, architecture) or Supernet.run_block, or wrap the call in "
-            "lightning_naspipe.choice.active_architecture(architecture)."
+            "lightning_naspipe.space.choice.active_architecture(architecture)."
         )
     return int(architecture[label])
 

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_naspipe.choice import ChoiceBlock, When
+from lightning_naspipe.space.choice import ChoiceBlock, When
 
 if TYPE_CHECKING:
-    from lightning_naspipe.supernet import Supernet
+    from lightning_naspipe.space.supernet import Supernet
 
 
 class Inactive(nn.Module):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_naspipe.choice import Architecture, ChoiceBlock, Scope, When, active_architecture, block_scope
+from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Scope, When, active_architecture, block_scope
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.freezing import freeze
+from lightning_naspipe.space.freezing import freeze
 
 __all__ = ["Architecture", "ChoiceBlock", "Resource", "ResourceState", "Supernet"]
 

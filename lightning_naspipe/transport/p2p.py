@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_naspipe import wire as wire_format
-from lightning_naspipe.boundary import map_tensors
-from lightning_naspipe.distributed import broadcast_object
+from lightning_naspipe.transport import wire as wire_format
+from lightning_naspipe.transport.boundary import map_tensors
+from lightning_naspipe.transport.distributed import broadcast_object
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.failures import FailureBoard, default_store
-from lightning_naspipe.schedule import NORMS, Schedule
-from lightning_naspipe.shm_links import SharedMemoryLinks, same_host
-from lightning_naspipe.stage_table import describe
-from lightning_naspipe.torch_links import IdleWork, TorchLinks
+from lightning_naspipe.transport.failures import FailureBoard, default_store
+from lightning_naspipe.pipeline.actions import NORMS, Schedule
+from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
+from lightning_naspipe.transport.boundary import describe
+from lightning_naspipe.transport.torch_links import IdleWork, TorchLinks
 
 #: How messages travel: ``"auto"`` (shared memory where possible), ``"shared_memory"`` or ``"torch"``.
 TRANSPORTS = ("auto", "shared_memory", "torch")
@@ -75,7 +75,7 @@ class P2PTransport:
         self._flags_owed = False
         #: Seconds spent waiting for messages (the rest of a window's run is busy time).
         self.wait_s = 0.0
-        #: What the first activation this stage sent looked like (see :func:`.stage_table.describe`).
+        #: What the first activation this stage sent looked like (see :func:`.boundary.describe`).
         self.first_activation: str | None = None
         stage_of_rank = {rank: s for s, rank in enumerate(self.ranks)}
         #: Where a failing stage posts its error, so that the others (rank 0 above all) can name it.

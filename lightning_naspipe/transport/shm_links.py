@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_naspipe import wire as wire_format
-from lightning_naspipe.distributed import broadcast_object
-from lightning_naspipe.torch_links import IdleWork, LostHandler, WaitHandler
+from lightning_naspipe.transport import wire as wire_format
+from lightning_naspipe.transport.distributed import broadcast_object
+from lightning_naspipe.transport.torch_links import IdleWork, LostHandler, WaitHandler
 
 try:
     import fcntl
@@ -278,7 +278,7 @@ class SharedMemoryLinks:
 
 def same_host(world_size: int) -> bool:
     """Whether every stage process runs on this host and can share memory (collective)."""
-    from lightning_naspipe.distributed import gather_objects
+    from lightning_naspipe.transport.distributed import gather_objects
 
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_naspipe import wire as wire_format
+from lightning_naspipe.transport import wire as wire_format
 
 #: ``lost(stage, error)``: the error to raise when neighbour ``stage`` stopped (``None``: a send failed).
 LostHandler = Callable[[int | None, BaseException], BaseException]

@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lightning_naspipe.boundary import CHANNELS_LAST, flat_tensors, laid_out, layout_of
+from lightning_naspipe.transport.boundary import CHANNELS_LAST, flat_tensors, laid_out, layout_of
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.supernet import ResourceState
-from lightning_naspipe.swapping import AsyncCopier, Ready, SwappedResource, nbytes
+from lightning_naspipe.space.supernet import ResourceState
+from lightning_naspipe.pipeline.offload.swapping import AsyncCopier, Ready, SwappedResource, nbytes
 
 
 @dataclass

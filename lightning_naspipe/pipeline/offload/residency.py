@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.offload import Offloader
+from lightning_naspipe.pipeline.offload.offload import Offloader
 
 
 def memory_conflicts(resources: Sequence[frozenset[Hashable]], sizes: Mapping[Hashable, int],

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_naspipe.supernet import ResourceState
+from lightning_naspipe.space.supernet import ResourceState
 
 #: What an asynchronous copy hands back: done when it is.
 Ready = Future[None] | torch.cuda.Event
