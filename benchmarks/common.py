@@ -28,8 +28,8 @@ import pytorch_lightning as pl
 import torch
 
 import lightning_naspipe as lnp
-from lightning_naspipe.block_timing import timed_block_weights
-from lightning_naspipe.partition import balanced_split
+from lightning_naspipe.planning.block_timing import timed_block_weights
+from lightning_naspipe.pipeline.partition import balanced_split
 
 #: ``subnets_per_s``, ``samples_per_s``, ``subnets``; or ``error`` for a failed run.
 Result = dict[str, Any]

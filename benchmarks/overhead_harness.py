@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.boundary import map_tensors, tensors_in
-from lightning_naspipe.engine import Engine
+from lightning_naspipe.transport.boundary import map_tensors, tensors_in
+from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.planning.profile import _default_optimizer, _NullModule
-from lightning_naspipe.sampling import uniform_architecture
-from lightning_naspipe.supernet import Supernet
+from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.space.supernet import Supernet
 
 __all__ = ["lightning_overheads", "pipeline_overheads"]
 
@@ -44,8 +44,8 @@ def lightning_overheads(batch_size: int = 1, features: int = 1, steps: int = 512
     """
     import pytorch_lightning as pl
 
-    from lightning_naspipe.mixin import NASPipeMixin
-    from lightning_naspipe.strategy import NASPipeStrategy
+    from lightning_naspipe.integration.mixin import NASPipeMixin
+    from lightning_naspipe.integration.strategy import NASPipeStrategy
 
     class Tiny(NASPipeMixin, pl.LightningModule):
         def __init__(self) -> None:
@@ -126,7 +126,7 @@ def pipeline_overheads(supernet: Supernet, sample_input: Any, rounds: int = 30) 
 def _pipeline_worker(rank: int, port: int, net: Supernet, x: Any, rounds: int, out: str) -> None:
     import torch.distributed as dist
 
-    from lightning_naspipe.transport import P2PTransport
+    from lightning_naspipe.transport.p2p import P2PTransport
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_naspipe import Supernet
-from lightning_naspipe.schedule import scheduling_resources
-from lightning_naspipe.schedule import BACKWARD, FORWARD, Action, build_schedule
+from lightning_naspipe.pipeline.schedule import scheduling_resources
+from lightning_naspipe.pipeline.schedule import BACKWARD, FORWARD, Action, build_schedule
 
 FORWARD_COST, BACKWARD_COST, UPDATE_COST = 1.0, 2.0, 0.05
 

@@ -23,14 +23,14 @@ import pytorch_lightning
 import torch
 
 import lightning_naspipe as lnp
-import lightning_naspipe.engine as engine
-import lightning_naspipe.executor as executor
-import lightning_naspipe.preemption as preemption
-import lightning_naspipe.shm_links as shm_links
-import lightning_naspipe.supernet as supernet
-import lightning_naspipe.torch_links as torch_links
-import lightning_naspipe.transport as transport
-import lightning_naspipe.wire as wire
+import lightning_naspipe.pipeline.engine as engine
+import lightning_naspipe.pipeline.executor as executor
+import lightning_naspipe.integration.preemption as preemption
+import lightning_naspipe.transport.shm_links as shm_links
+import lightning_naspipe.space.supernet as supernet
+import lightning_naspipe.transport.torch_links as torch_links
+import lightning_naspipe.transport.p2p as transport
+import lightning_naspipe.transport.wire as wire
 from common import add_common_args, fit_timed, launch, ran_as_worker
 from zoo_spaces import SPACES, space
 

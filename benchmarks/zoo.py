@@ -39,7 +39,7 @@ from typing import Any
 import lightning_naspipe as lnp
 from common import Result, add_common_args, fit_timed, launch, machine, ok, plot, ran_as_worker, rate, ratio
 from common import write_json
-from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.space.supernet import supernet_of
 from zoo_spaces import SPACES, Space, candidate_counts, space
 
 BASE, STAGES, PAIR = "1 device", "2 stages", "pair"

@@ -26,7 +26,7 @@ import torch
 import lightning_naspipe as lnp
 from common import add_common_args, launch, machine, ok, ran_as_worker, rate, write_json
 from lightning_naspipe.planning import SpaceSpec, profile_supernet, simulate
-from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.space.supernet import supernet_of
 from overhead_harness import lightning_overheads, pipeline_overheads
 from zoo import BASE, STAGES, run
 from zoo_spaces import SPACES, Space, space

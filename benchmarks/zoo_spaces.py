@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_naspipe as lnp
-from lightning_naspipe.supernet import supernet_of
+from lightning_naspipe.space.supernet import supernet_of
 from space_sweep import CharLM, text_loader
 from spos_cnn import CLASSES, SposCNN, conv_bn, inverted_bottleneck, random_images
 

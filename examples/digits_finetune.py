@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from digits_spos import DigitsDataModule, DigitsSupernet
-from lightning_naspipe.export import WEIGHTS_FILE, load_architecture
+from lightning_naspipe.searching.export import WEIGHTS_FILE, load_architecture
 
 
 class SubnetClassifier(pl.LightningModule):

@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_naspipe as lnp  # importing it registers the "naspipe" strategy name
-from lightning_naspipe.cells import Cell, Zero
+from lightning_naspipe.space.cells import Cell, Zero
 
 NUM_CLASSES = 10
 #: Candidate names of every edge, in candidate-index order.

@@ -4,19 +4,20 @@ Importing the package registers ``strategy="naspipe"`` with every installed Ligh
 (``lightning.pytorch`` and ``pytorch_lightning``).
 """
 
-from lightning_naspipe.callback import NASPipeCallback
-from lightning_naspipe.cells import Cell, Zero
-from lightning_naspipe.choice import Architecture, InputChoice, When
+from lightning_naspipe.integration.callback import NASPipeCallback
+from lightning_naspipe.space.cells import Cell, Zero
+from lightning_naspipe.space.choice import Architecture, InputChoice, When
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.export import load_subnet, save_subnet
-from lightning_naspipe.freezing import recalibrate_batchnorm
-from lightning_naspipe.mixin import NASPipeMixin
-from lightning_naspipe.search_loop import SearchResult, search
-from lightning_naspipe.cli import naspipe_cli
-from lightning_naspipe.searchers import EvolutionSearch, GridSearch, RandomSearch, Record, Searcher, SPOSSearch
-from lightning_naspipe.strategy import NASPipeStrategy
-from lightning_naspipe.supernet import ChoiceBlock, Supernet
-from lightning_naspipe.transport import StageFailure
+from lightning_naspipe.searching.export import load_subnet, save_subnet
+from lightning_naspipe.space.freezing import recalibrate_batchnorm
+from lightning_naspipe.integration.mixin import NASPipeMixin
+from lightning_naspipe.searching.search_loop import SearchResult, search
+from lightning_naspipe.integration.cli import naspipe_cli
+from lightning_naspipe.searching.searchers import (EvolutionSearch, GridSearch, RandomSearch, Record, Searcher,
+                                                    SPOSSearch)
+from lightning_naspipe.integration.strategy import NASPipeStrategy
+from lightning_naspipe.space.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.transport.p2p import StageFailure
 
 __all__ = ["Architecture", "Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch", "InputChoice", "NASPipeCallback",
            "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch",

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_naspipe.planning import SpaceSpec, plan, table, wide_spec
-from lightning_naspipe.schedule import SCHEDULES
+from lightning_naspipe.pipeline.schedule import SCHEDULES
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 The stage threads take turns: a thread holds the baton while it computes and gives it up only
 while it waits for a message, so at most one stage runs torch code at a time (keyed randomness
 seeds the global generator) and the run is deterministic. Each stage has its own
-:class:`~lightning_naspipe.engine.Engine` and runs its row of the same schedule, exactly as
+:class:`~lightning_naspipe.pipeline.engine.Engine` and runs its row of the same schedule, exactly as
 stage processes do; only the transport differs.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_naspipe import wire
-from lightning_naspipe.engine import Engine, EngineModule
-from lightning_naspipe.executor import Window
-from lightning_naspipe.offload import Offloader
-from lightning_naspipe.schedule import NORMS, Schedule
+from lightning_naspipe.transport import wire
+from lightning_naspipe.pipeline.engine import Engine, EngineModule
+from lightning_naspipe.pipeline.executor import Window
+from lightning_naspipe.pipeline.offload.offload import Offloader
+from lightning_naspipe.pipeline.schedule import NORMS, Schedule
 
 
 class _World:
@@ -33,7 +33,7 @@ class _World:
 
 
 class LocalTransport:
-    """The :class:`~lightning_naspipe.executor.Transport` of one stage thread."""
+    """The :class:`~lightning_naspipe.pipeline.executor.Transport` of one stage thread."""
 
     def __init__(self, world: _World, stage: int) -> None:
         self.world, self.stage = world, stage
@@ -118,9 +118,9 @@ def train_pipelined(module: EngineModule | Sequence[EngineModule], stage_blocks:
     Each window is given the next one's batches, as the strategy does; ``engines`` (if given) is filled
     with the stage engines. Before each window starting at one of ``epoch_ends``, the window before
     was given other batches as its next (an epoch that ended early) and the lookahead is dropped.
-    ``defer_weight_grads`` and ``clip_norms`` as for :class:`~lightning_naspipe.engine.Engine`.
+    ``defer_weight_grads`` and ``clip_norms`` as for :class:`~lightning_naspipe.pipeline.engine.Engine`.
     ``module``: one the stages share, or one per stage (copies, as stage processes hold; ``offload``: each
-    stage keeps its blocks in a host copy, see :class:`~lightning_naspipe.offload.Offloader`)."""
+    stage keeps its blocks in a host copy, see :class:`~lightning_naspipe.pipeline.offload.offload.Offloader`)."""
     modules = list(module) if isinstance(module, Sequence) else [module] * len(stage_blocks)
     world = _World(len(stage_blocks))
     built = [Engine(stage_blocks, stage=s, chunks=chunks, transport=LocalTransport(world, s), schedule=schedule,

@@ -72,7 +72,7 @@ def main() -> None:
                         help="check the balance every window and move the first stage cut there and back")
     args = parser.parse_args()
     if args.force_rebalance:
-        import lightning_naspipe.stage_placement as placement_module
+        import lightning_naspipe.integration.stage_placement as placement_module
 
         def alternate(ranges: list[range], busy: object, weights: object, forbidden: object) -> list[range] | None:
             grow = len(ranges[1]) > 1 and (len(ranges[0]) == 1 or ranges[0].stop % 2 == 1)
@@ -85,7 +85,7 @@ def main() -> None:
 
         placement_module.rebalanced = alternate  # type: ignore[assignment]
     if args.fake_block_costs:
-        import lightning_naspipe.block_timing as block_timing
+        import lightning_naspipe.planning.block_timing as block_timing
 
         def fake_timing(supernet: object, example: torch.Tensor, **kwargs: object) -> list[float]:
             torch.save({"input": example.clone(), "device": str(kwargs.get("device"))}, args.out + ".timed_on")

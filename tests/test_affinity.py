@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from lightning_naspipe.affinity import core_share, pin_process
+from lightning_naspipe.integration.affinity import core_share, pin_process
 
 
 def test_core_share_gives_disjoint_equal_slices():

@@ -6,8 +6,8 @@ import torch
 
 import lightning_naspipe as lnp
 from helpers import ToyNet, assert_same_state, pl
-from lightning_naspipe.batch_hooks import call_per_subnet_batch
-from lightning_naspipe.data import DataTracker
+from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch
+from lightning_naspipe.integration.data import DataTracker
 from usage_scenarios import SkipsRestOfEpoch, fit
 
 

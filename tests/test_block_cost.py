@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe import block_timing
+from lightning_naspipe.planning import block_timing
 from lightning_naspipe.planning import block_cost_ms, candidate_ms, profile, profile_supernet
 from lightning_naspipe.planning.block_cost import BlockFailure, PathTimes, time_paths
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.block_timing import agreed_timed_weights, timed_block_weights
-from lightning_naspipe.partition import balanced_split, block_weights, stage_ranges
+from lightning_naspipe.planning.block_timing import agreed_timed_weights, timed_block_weights
+from lightning_naspipe.pipeline.partition import balanced_split, block_weights, stage_ranges
 
 
 def _conv_net() -> lnp.Supernet:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import lightning_naspipe as lnp
 from helpers import EXAMPLES, QUIET, load_example
-from lightning_naspipe.cells import Cell, Zero
+from lightning_naspipe.space.cells import Cell, Zero
 from lightning_naspipe.errors import NASPipeConfigError
 
 torch.set_num_threads(1)  # the conftest fixture pins it per test too; this covers module-level work
@@ -211,7 +211,7 @@ def test_block_by_block_backward_matches_one_graph_and_skips_unchosen_edges() ->
     cut_grads = {name: None if p.grad is None else p.grad.clone() for name, p in cell.named_parameters()}
     cut_input_grads = grads
     cell.zero_grad(set_to_none=True)
-    from lightning_naspipe.choice import active_architecture
+    from lightning_naspipe.space.choice import active_architecture
 
     with active_architecture(arch):
         out = cell((s0, s1))

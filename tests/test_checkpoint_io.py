@@ -16,7 +16,7 @@ import torch
 
 import lightning_naspipe as lnp
 from helpers import train
-from lightning_naspipe.checkpoint_io import atomic_save
+from lightning_naspipe.integration.checkpoint_io import atomic_save
 
 
 def _leftovers(folder: Path) -> list[str]:
@@ -53,7 +53,7 @@ def test_the_next_write_removes_what_a_killed_write_left(tmp_path: Path) -> None
 
 WRITER = """
 import sys, torch
-from lightning_naspipe.checkpoint_io import atomic_save
+from lightning_naspipe.integration.checkpoint_io import atomic_save
 big = torch.zeros(8_000_000)  # 32 MB: a write takes long enough to be killed inside it
 version = 0
 while True:

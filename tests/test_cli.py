@@ -18,9 +18,9 @@ import torch
 
 import lightning_naspipe as lnp
 from helpers import EXAMPLES, QUIET, TOY_NETS, load_example, toy_loader
-from lightning_naspipe.cli import _cli_class, _with_search
+from lightning_naspipe.integration.cli import _cli_class, _with_search
 from lightning_naspipe.namespaces import installed
-from lightning_naspipe.search_loop import read_log
+from lightning_naspipe.searching.search_loop import read_log
 
 torch.set_num_threads(1)
 SEARCHER = {"class_path": "lightning_naspipe.SPOSSearch",

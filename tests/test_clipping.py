@@ -1,4 +1,4 @@
-"""Gradient clipping (lightning_naspipe.clipping): Lightning's order and settings under the mixin, and the
+"""Gradient clipping (lightning_naspipe.pipeline.clipping): Lightning's order and settings under the mixin, and the
 same bits on any number of stages (the multi-process run: tests/test_pipeline.py)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch import nn
 import lightning_naspipe as lnp
 from helpers import NAMESPACES, TOY_NETS, ToyBody, toy_loader, train
 from inprocess import train_pipelined
-from lightning_naspipe.engine import Engine
-from lightning_naspipe.sampling import uniform_architecture
+from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.sampling import uniform_architecture
 from test_engine import FakeModule
 
 MAX_NORM = 0.2  # below most subnets' gradient norm on ToyNet: clipping scales most updates
@@ -122,8 +122,8 @@ def test_a_norm_clip_without_a_planned_exchange_is_refused_on_several_stages() -
 
 
 def _update(exchange: bool) -> tuple[Any, list[nn.Parameter], torch.optim.Optimizer]:
-    from lightning_naspipe.clipping import UpdateClipping
-    from lightning_naspipe.grad_norm import NormExchange
+    from lightning_naspipe.pipeline.clipping import UpdateClipping
+    from lightning_naspipe.pipeline.grad_norm import NormExchange
 
     params = [nn.Parameter(torch.ones(3)) for _ in range(3)]
     for n, p in enumerate(params):
@@ -256,7 +256,7 @@ def test_guard_the_private_lightning_api_clipping_relies_on(namespace: Any) -> N
 
 
 def test_which_runs_plan_a_norm_exchange() -> None:
-    from lightning_naspipe.clipping import _overrides_clipping, clips, clips_by_norm
+    from lightning_naspipe.pipeline.clipping import _overrides_clipping, clips, clips_by_norm
 
     def module(value: Any, algorithm: Any) -> Any:
         return SimpleNamespace(trainer=SimpleNamespace(gradient_clip_val=value, gradient_clip_algorithm=algorithm))
@@ -272,9 +272,9 @@ def test_which_runs_plan_a_norm_exchange() -> None:
 
 def test_the_async_baseline_sends_norm_messages_in_the_order_it_runs_its_updates() -> None:
     """``schedule="async"`` moves every update to the window's end: the links carry the norm messages there."""
-    from lightning_naspipe.engine import plan_window
-    from lightning_naspipe.executor import Window
-    from lightning_naspipe.schedule import UPDATE, replay
+    from lightning_naspipe.pipeline.engine import plan_window
+    from lightning_naspipe.pipeline.executor import Window
+    from lightning_naspipe.pipeline.schedule import UPDATE, replay
 
     supernet = ToyBody().supernet
     window = Window(0, [uniform_architecture(supernet.labels, 1, i) for i in range(6)], [[(None, 1.0)]] * 6)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_naspipe.data import (
+from lightning_naspipe.integration.data import (
     DataTracker,
     WindowLoader,
     order_generators,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_naspipe.distributed import broadcast_object, gather_objects
+from lightning_naspipe.transport.distributed import broadcast_object, gather_objects
 from helpers import spawn_gloo_pair
 
 pytestmark = pytest.mark.slow

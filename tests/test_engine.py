@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-import lightning_naspipe.engine as engine_module
+import lightning_naspipe.pipeline.engine as engine_module
 from inprocess import train_pipelined
-from lightning_naspipe.engine import Engine, plan_window
-from lightning_naspipe.executor import Window
-from lightning_naspipe.sampling import keyed_rng, uniform_architecture
+from lightning_naspipe.pipeline.engine import Engine, plan_window
+from lightning_naspipe.pipeline.executor import Window
+from lightning_naspipe.pipeline.sampling import keyed_rng, uniform_architecture
 
 SEED = 11
 
@@ -160,8 +160,8 @@ def test_baseline_schedules_stay_exact(schedule: str) -> None:
 
 
 def test_scheduling_resources_per_mode() -> None:
-    from lightning_naspipe.schedule import scheduling_resources
-    from lightning_naspipe.schedule import build_schedule
+    from lightning_naspipe.pipeline.schedule import scheduling_resources
+    from lightning_naspipe.pipeline.schedule import build_schedule
 
     real = [[frozenset({1}), frozenset()], [frozenset({2}), frozenset({3})], [frozenset({1}), frozenset()]]
     csp, one, free = (build_schedule(scheduling_resources(m, real), 1) for m in ("csp", "one_in_flight", "async"))
@@ -174,7 +174,7 @@ def test_scheduling_resources_per_mode() -> None:
 
 
 def test_metrics_name_each_source_and_are_empty_without_one() -> None:
-    from lightning_naspipe.telemetry import StageTelemetry
+    from lightning_naspipe.pipeline.telemetry import StageTelemetry
 
     assert Engine([range(2)]).metrics() == {}
     found = Engine([range(2)], telemetry=StageTelemetry(0)).metrics()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lightning_naspipe as lnp
-from lightning_naspipe.export import load_architecture
+from lightning_naspipe.searching.export import load_architecture
 from test_freezing import SPACES, _architectures, _trained
 
 # Runs in a fresh interpreter where this library and the tests' own classes cannot be imported.

@@ -6,8 +6,8 @@ import time
 
 import torch.distributed as dist
 
-from lightning_naspipe.failures import FailureBoard
-from lightning_naspipe.transport import StageFailure
+from lightning_naspipe.transport.failures import FailureBoard
+from lightning_naspipe.transport.p2p import StageFailure
 
 
 class _UnreachableStore:

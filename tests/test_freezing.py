@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 import lightning_naspipe as lnp
 from helpers import FEATURES, ToyNet
-from lightning_naspipe.cells import Cell
-from lightning_naspipe.choice import active_architecture
+from lightning_naspipe.space.cells import Cell
+from lightning_naspipe.space.choice import active_architecture
 from test_cells import C, darts_op, nb201_op
 
 torch.set_num_threads(1)

@@ -3,7 +3,8 @@ from __future__ import annotations
 import importlib.util
 
 import lightning_naspipe as lnp
-from lightning_naspipe import searchers, transport
+from lightning_naspipe.searching import searchers
+from lightning_naspipe.transport import p2p as transport
 
 
 def test_every_public_name_resolves_and_those_users_signatures_need_are_there() -> None:

@@ -1,4 +1,4 @@
-"""Tests for lookahead across windows (lightning_naspipe.lookahead): steps planned one after another
+"""Tests for lookahead across windows (lightning_naspipe.pipeline.lookahead): steps planned one after another
 form one valid CSP schedule of the whole run, and the next window's forwards fill the drain."""
 
 from collections.abc import Hashable, Sequence
@@ -8,10 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.actions import CostFn
-from lightning_naspipe.engine import _exchange_cost
-from lightning_naspipe.lookahead import StepPlan, plan_step
-from lightning_naspipe.schedule import BACKWARD, FORWARD, Action, Schedule, build_schedule, check_schedule, replay
+from lightning_naspipe.pipeline.actions import CostFn
+from lightning_naspipe.pipeline.engine import _exchange_cost
+from lightning_naspipe.pipeline.lookahead import StepPlan, plan_step
+from lightning_naspipe.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, build_schedule, check_schedule,
+                                                 replay)
 
 Res = list[list[frozenset[Hashable]]]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.loop_state import check_loop_state_layout, reopen_epoch
+from lightning_naspipe.integration.loop_state import check_loop_state_layout, reopen_epoch
 
 
 def _stopped_checkpoint(namespace: Any, tmp_path: Path) -> dict[str, Any]:

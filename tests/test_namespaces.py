@@ -18,7 +18,7 @@ import torch
 import lightning_naspipe as lnp
 from helpers import TOY_NETS, assert_same_state, full_state, toy_loader, train
 from lightning_naspipe.namespaces import installed, namespace_of
-from lightning_naspipe.strategy import LightningNASPipeStrategy, PytorchLightningNASPipeStrategy  # type: ignore
+from lightning_naspipe.integration.strategy import LightningNASPipeStrategy, PytorchLightningNASPipeStrategy  # type: ignore
 
 BOTH = [pytest.param(L, id="lightning.pytorch"), pytest.param(pl, id="pytorch_lightning")]
 BOUND = {L: LightningNASPipeStrategy, pl: PytorchLightningNASPipeStrategy}

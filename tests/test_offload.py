@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.engine import Engine
-from lightning_naspipe.offload import Offloader
+from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.offload.offload import Offloader
 from test_engine import FakeModule, batches, make_supernet
 
 
@@ -60,7 +60,7 @@ def test_a_subnet_larger_than_the_budget_is_refused() -> None:
     (lambda ps: torch.optim.AdamW(ps, amsgrad=True), 3),
 ])
 def test_optimizer_state_factor(make: object, factor: int) -> None:
-    from lightning_naspipe.offload import optimizer_state_factor
+    from lightning_naspipe.pipeline.offload.offload import optimizer_state_factor
 
     assert optimizer_state_factor(make([nn.Parameter(torch.zeros(2))])) == factor  # type: ignore[operator]
 
@@ -81,7 +81,7 @@ def test_a_failed_evaluation_releases_what_it_acquired(monkeypatch: pytest.Monke
     module, offloader = _train(True, 4)
     assert offloader is not None
     engine = Engine([range(len(module.supernet))], offloader=offloader)
-    from lightning_naspipe.executor import StageExecutor
+    from lightning_naspipe.pipeline.executor import StageExecutor
 
     def fails(*args: object) -> None:
         raise RuntimeError("out of memory")

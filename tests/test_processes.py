@@ -9,8 +9,8 @@ import time
 import pytest
 
 from lightning_naspipe.namespaces import installed
-from lightning_naspipe.processes import StageProcesses, delay_observer_kill, reap, wait_for_exit
-from lightning_naspipe.transport import StageFailure
+from lightning_naspipe.integration.processes import StageProcesses, delay_observer_kill, reap, wait_for_exit
+from lightning_naspipe.transport.p2p import StageFailure
 
 
 def _child(seconds: float) -> subprocess.Popen[bytes]:

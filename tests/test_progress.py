@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 
 import lightning_naspipe as lnp
 from helpers import train
-from lightning_naspipe.progress import SubnetProgress, count_subnets
+from lightning_naspipe.integration.progress import SubnetProgress, count_subnets
 
 
 def _recording_bar(namespace: Any) -> Any:

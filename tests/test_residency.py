@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_naspipe.offload import Offloader, estimated_bytes
-from lightning_naspipe.residency import WindowResidency, memory_conflicts
-from lightning_naspipe.schedule import FORWARD, UPDATE, Action, build_schedule, check_schedule, replay
-from lightning_naspipe.supernet import ResourceState
+from lightning_naspipe.pipeline.offload.offload import Offloader, estimated_bytes
+from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
+from lightning_naspipe.pipeline.schedule import FORWARD, UPDATE, Action, build_schedule, check_schedule, replay
+from lightning_naspipe.space.supernet import ResourceState
 
 
 class _Block(nn.Module):

@@ -1,4 +1,4 @@
-"""Tests for the CSP pipeline scheduler (lightning_naspipe.schedule)."""
+"""Tests for the CSP pipeline scheduler (lightning_naspipe.pipeline.schedule)."""
 
 from collections.abc import Callable, Hashable, Sequence
 from collections.abc import Set as AbstractSet
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.schedule import (
+from lightning_naspipe.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     UPDATE,
@@ -161,7 +161,7 @@ def test_norm_exchange_makes_every_update_wait_for_every_stage() -> None:
 
 
 def test_module_docstring_table_is_current() -> None:
-    import lightning_naspipe.schedule as mod
+    import lightning_naspipe.pipeline.schedule as mod
 
     res: Res = [[frozenset({"a"}), frozenset({"c"})], [frozenset({"b"}), frozenset({"d"})],
                 [frozenset({"a"}), frozenset({"e"})]]

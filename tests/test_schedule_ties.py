@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.actions import Ties, with_ties
-from lightning_naspipe.schedule import ScheduleError, build_schedule, check_schedule, replay
+from lightning_naspipe.pipeline.actions import Ties, with_ties
+from lightning_naspipe.pipeline.schedule import ScheduleError, build_schedule, check_schedule, replay
 from test_lookahead import roll
 from test_schedule import B, F, Res, U, _costs
 

@@ -11,7 +11,7 @@ import torch
 
 import lightning_naspipe as lnp
 from helpers import CLASSES, FEATURES, ToyNet, full_state, pl, toy_loader, train
-from lightning_naspipe import search_loop
+from lightning_naspipe.searching import search_loop
 from test_searchers import nested_blocks
 
 

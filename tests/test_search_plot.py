@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_naspipe as lnp
-from lightning_naspipe.search_plot import pareto_front, plot_search
-from lightning_naspipe.searchers import Record
+from lightning_naspipe.searching.search_plot import pareto_front, plot_search
+from lightning_naspipe.searching.searchers import Record
 
 
 def _records(points: list[tuple[int, float]]) -> list[Record]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
+from lightning_naspipe.searching.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
 
 
 def _score(architecture: dict[str, int]) -> float:

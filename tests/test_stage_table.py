@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.stage_table import chunks_hint, describe, serialising_blocks, stage_table
+from lightning_naspipe.pipeline.stage_table import chunks_hint, serialising_blocks, stage_table
+from lightning_naspipe.transport.boundary import describe
 
 
 def test_describe_names_structure_dtypes_and_shapes() -> None:

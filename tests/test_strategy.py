@@ -48,7 +48,7 @@ def test_max_steps_counts_subnets_and_clamps_the_last_window() -> None:
 
 
 def test_registration_is_idempotent() -> None:
-    from lightning_naspipe.strategy import PytorchLightningNASPipeStrategy  # type: ignore[attr-defined]
+    from lightning_naspipe.integration.strategy import PytorchLightningNASPipeStrategy  # type: ignore[attr-defined]
 
     for _ in range(2):
         PytorchLightningNASPipeStrategy.register_strategies(StrategyRegistry)

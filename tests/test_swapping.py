@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_naspipe.supernet import ResourceState
-from lightning_naspipe.swapping import AsyncCopier, SwappedResource
+from lightning_naspipe.space.supernet import ResourceState
+from lightning_naspipe.pipeline.offload.swapping import AsyncCopier, SwappedResource
 
 
 class _TiedBuffers(nn.Module):

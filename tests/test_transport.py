@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_naspipe.boundary import map_tensors, tensors_in
+from lightning_naspipe.transport.boundary import map_tensors, tensors_in
 
-from lightning_naspipe.schedule import Action, Schedule, build_schedule
-from lightning_naspipe.shm_links import SharedMemoryLinks
-from lightning_naspipe.transport import P2PTransport, StageFailure
+from lightning_naspipe.pipeline.schedule import Action, Schedule, build_schedule
+from lightning_naspipe.transport.shm_links import SharedMemoryLinks
+from lightning_naspipe.transport.p2p import P2PTransport, StageFailure
 from helpers import spawn_gloo_pair
 
 pytestmark = pytest.mark.slow

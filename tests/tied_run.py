@@ -65,7 +65,7 @@ def main() -> None:
                              "0) between the first two stages")
     args = parser.parse_args()
     if args.move_tied_block:
-        import lightning_naspipe.stage_placement as placement_module
+        import lightning_naspipe.integration.stage_placement as placement_module
 
         def alternate(ranges: list[range], *_: object) -> list[range]:
             split = [range(0, 3), range(3, 5), range(5, 7)]

@@ -2,7 +2,12 @@
 
 ``space_spec`` describes a space by costs; ``block_cost`` times blocks as training runs them, with one
 reduction (:func:`candidate_ms`, :func:`block_cost_ms`) that the stage split, the profile and the
-planner all use; ``profile`` measures a :class:`SpaceSpec`; ``planner`` simulates the CSP schedule on it.
+planner all use; ``profile`` measures a :class:`SpaceSpec`; ``planner`` simulates the CSP schedule on it;
+``block_timing`` times the default stage split's block weights at the start of a run.
+
+Layer: planning. May import the base modules, ``space``, ``transport`` and ``pipeline``; never ``searching`` or
+``integration``, nor a Lightning namespace. Nothing below it imports it: of the training-time code only the
+Lightning glue (``integration``) does, for the timed split.
 """
 
 from lightning_naspipe.planning.planner import Prediction, plan, simulate, table

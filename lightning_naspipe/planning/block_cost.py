@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.boundary import cut, grad_targets, tensors_in
-from lightning_naspipe.choice import ChoiceBlock, active_architecture
-from lightning_naspipe.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.transport.boundary import cut, grad_targets, tensors_in
+from lightning_naspipe.space.choice import ChoiceBlock, active_architecture
+from lightning_naspipe.pipeline.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.planning.space_spec import candidate_ms
-from lightning_naspipe.sampling import keyed_rng
-from lightning_naspipe.weight_grads import DeferredWeights
+from lightning_naspipe.pipeline.sampling import keyed_rng
+from lightning_naspipe.pipeline.weight_grads import DeferredWeights
 
 __all__ = ["BlockFailure", "PathTimes", "holds_state", "time_paths"]
 

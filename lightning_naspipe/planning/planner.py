@@ -3,7 +3,7 @@
 A :class:`~.space_spec.SpaceSpec` describes a search space by costs only (per block, per candidate: forward and
 backward milliseconds and whether it holds state), plus the run's overheads. :func:`simulate` samples
 subnets like the mixin's default sampler, splits the blocks into stages, builds each window's CSP
-schedule with the real scheduler (:func:`~lightning_naspipe.schedule.build_schedule`), times it with
+schedule with the real scheduler (:func:`~lightning_naspipe.pipeline.schedule.build_schedule`), times it with
 those costs, and reports throughput, bubbles, why stages stall and how many subnets are in flight.
 :func:`plan` does it for many stage counts; it reuses the sampler, the stage split and the schedule
 modes of the training code, so predictions cannot drift from what runs. :mod:`.profile` measures a
@@ -17,10 +17,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_naspipe.lookahead import plan_step
-from lightning_naspipe.partition import balanced_split
-from lightning_naspipe.sampling import uniform_architecture
-from lightning_naspipe.schedule import (
+from lightning_naspipe.pipeline.lookahead import plan_step
+from lightning_naspipe.pipeline.partition import balanced_split
+from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     SCHEDULES,
@@ -123,7 +123,7 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
         defer_weight_grads: as ``NASPipeStrategy(defer_weight_grads=...)``: where a stage defers, a backward
             sends its gradient after the blocks' input-gradient passes and then runs their weight passes
             (the candidates' ``input_backward_ms``/``weight_backward_ms``). ``None`` decides per stage as the
-            engine does (:class:`~lightning_naspipe.weight_grads.DeferralChooser`), on the modelled times.
+            engine does (:class:`~lightning_naspipe.pipeline.weight_grads.DeferralChooser`), on the modelled times.
     """
     labels = spec.labels()
     if schedule not in SCHEDULES:

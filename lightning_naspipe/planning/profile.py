@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.boundary import tensors_in
-from lightning_naspipe.engine import Engine
+from lightning_naspipe.transport.boundary import tensors_in
+from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.planning.block_cost import holds_state, time_paths
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
-from lightning_naspipe.sampling import uniform_architecture
-from lightning_naspipe.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.space.supernet import ChoiceBlock, Supernet
 
 __all__ = ["profile_supernet"]
 

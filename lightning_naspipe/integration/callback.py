@@ -1,0 +1,226 @@
+"""The callback that keeps a NASPipe run exact around Lightning's loop.
+
+:func:`validate_run` checks the run's configuration (the mixin calls it from ``configure_callbacks``,
+before Lightning's own, less fitting, advice); the callback checks the optimizer, steps
+epoch-interval LR schedulers (Lightning does not under manual optimization), and stores NASPipe's
+resume state in the checkpoint. The mixin attaches it through ``configure_callbacks``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
+from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.integration.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
+from lightning_naspipe.namespaces import installed
+from lightning_naspipe.pipeline.optim import step_schedulers
+from lightning_naspipe.space.supernet import supernet_of
+
+CHECKPOINT_KEY = "naspipe"
+
+if TYPE_CHECKING:
+    from lightning_naspipe.pipeline.engine import Engine
+
+
+@runtime_checkable
+class PipelineRunner(Protocol):
+    """What the mixin needs from ``NASPipeStrategy`` (which imports this module, not the other way)."""
+
+    engine: Engine | None
+
+    def report_stages(self) -> None: ...
+
+    def window_trained(self) -> None: ...
+
+    def stage_metrics(self) -> dict[str, float]: ...
+
+    def upcoming_batches(self, first_index: int) -> list[Any] | None: ...
+
+
+def keep_scheduler_monitors(module: Any) -> None:
+    """Make the module's next ``configure_optimizers`` call record the ``monitor`` of its LR schedulers.
+
+    Under manual optimization Lightning drops ``monitor`` from scheduler configs (and warns that it is
+    ignored), but NASPipe steps ``ReduceLROnPlateau`` itself (:class:`NASPipeCallback`). The wrapper is an
+    instance attribute that removes itself on its first call, so nothing stays on the module.
+    """
+    declared = type(module).configure_optimizers
+
+    def configure_optimizers() -> Any:
+        del module.__dict__["configure_optimizers"]
+        return _take_monitors(declared(module))
+
+    module.__dict__["configure_optimizers"] = configure_optimizers
+
+
+#: The monitor each LR scheduler was configured with, by scheduler object.
+_MONITORS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _take_monitors(config: Any) -> Any:
+    """``configure_optimizers``' output without ``monitor`` keys, each recorded in :data:`_MONITORS`."""
+    if isinstance(config, (list, tuple)):
+        return type(config)(_take_monitors(part) for part in config)
+    if not isinstance(config, dict) or "lr_scheduler" not in config:
+        return config
+    config, monitor = dict(config), config.get("monitor")
+    config.pop("monitor", None)
+    scheduler = config["lr_scheduler"]
+    if isinstance(scheduler, dict):
+        scheduler = dict(scheduler)
+        monitor = scheduler.pop("monitor", monitor)
+        config["lr_scheduler"] = scheduler
+    if monitor is not None:
+        _MONITORS[scheduler["scheduler"] if isinstance(scheduler, dict) else scheduler] = monitor
+    return config
+
+
+def validate_run(trainer: Any, module: object) -> None:
+    """Raise :class:`NASPipeConfigError` for settings NASPipe cannot honour exactly.
+
+    Runs before Lightning's own manual-optimization checks, so users get advice that fits NASPipe.
+    """
+    supernet_of(module)  # raises if self.supernet is missing
+    if not isinstance(trainer.strategy, PipelineRunner) and trainer.world_size > 1:
+        raise NASPipeConfigError(
+            f"{type(module).__name__} uses the NASPipe mixin under {type(trainer.strategy).__name__} with "
+            f"{trainer.world_size} processes: that strategy shards data or gradients in ways that break the "
+            "subnet-by-subnet contract (it would train something else silently). Use Trainer(strategy=\"naspipe\", "
+            "devices=N) for N pipeline stages, or one device."
+        )
+    if isinstance(trainer.strategy, PipelineRunner):
+        _refuse_batch_counted_triggers(trainer, getattr(trainer.strategy, "window", 1))
+    if getattr(module, "automatic_optimization", False):
+        raise NASPipeConfigError(
+            f"{type(module).__name__} re-enables automatic optimization; NASPipe steps the optimizer once per "
+            "subnet itself. Remove the automatic_optimization override."
+        )
+    averaging = [c for c in trainer.callbacks
+                 if isinstance(c, tuple(ns.pytorch.callbacks.StochasticWeightAveraging for ns in installed()))]
+    if averaging:
+        raise NASPipeConfigError(
+            "StochasticWeightAveraging is not supported for supernets: it averages every weight of the module each "
+            "epoch and then re-trains an epoch with backward skipped to refresh BatchNorm, which needs automatic "
+            "optimization; NASPipe steps one subnet at a time. Use it when fine-tuning the exported subnet "
+            "(lnp.save_subnet, or supernet.freeze(architecture)) with a plain LightningModule."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise NASPipeConfigError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: every batch "
+            "trains its own subnet, so gradients cannot be accumulated across batches. Use a larger batch_size "
+            "instead, and NASPipeStrategy(chunks=...) to split it into micro-batches if memory is tight."
+        )
+    # Supported, exactly (clipping.py); Lightning's validator refuses it under manual optimization, so
+    # the value stays aside until NASPipeCallback.setup, which runs after the validator.
+    hide_from_validator(trainer)
+
+
+def _refuse_batch_counted_triggers(trainer: Any, window: int) -> None:
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and interval != 1.0:
+        raise NASPipeConfigError(
+            f"Trainer(val_check_interval={interval}) validates after a fraction of an epoch's Lightning batches, "
+            f"which are windows of subnets under NASPipeStrategy. Validate per epoch (check_val_every_n_epoch), "
+            "or every N subnets with NASPipeStrategy(window=1) and Trainer(val_check_interval=N)."
+        )
+    if window > 1 and isinstance(interval, int) and not isinstance(interval, bool):
+        raise NASPipeConfigError(
+            f"Trainer(val_check_interval={interval}) counts Lightning batches, which are windows of "
+            f"{window} subnets under NASPipeStrategy, so validation would not run every {interval} "
+            "subnets as in a plain run. Validate per epoch (check_val_every_n_epoch), or use "
+            "NASPipeStrategy(window=1)."
+        )
+
+
+# Lightning's Callback holds no state and only no-op hooks, and Trainers check callbacks by type: one
+# class built on both namespaces' Callback serves a Trainer of either.
+_CALLBACK_BASES = tuple(ns.pytorch.Callback for ns in installed())
+
+
+class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
+    """Keeps LR schedules and resume state exact for NASPipe modules, with or without the strategy.
+
+    ``NASPipeMixin.configure_callbacks`` adds it; a module that overrides ``configure_callbacks``
+    must return ``super().configure_callbacks()`` among its callbacks.
+    """
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        for config in trainer.lr_scheduler_configs:  # the monitors Lightning dropped (keep_scheduler_monitors)
+            if config.monitor is None and config.scheduler in _MONITORS:
+                config.monitor = _MONITORS[config.scheduler]
+        optimizers = trainer.optimizers
+        if len(optimizers) != 1:
+            raise NASPipeConfigError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; NASPipe needs exactly one. "
+                "Use parameter groups for different settings."
+            )
+        supernet_params = {id(p) for p in supernet_of(pl_module).parameters()}
+        outside = [
+            name
+            for name, p in pl_module.named_parameters()
+            if id(p) not in supernet_params and any(p is q for g in optimizers[0].param_groups for q in g["params"])
+        ]
+        if outside:
+            raise NASPipeConfigError(
+                f"The optimizer holds parameters outside self.supernet ({outside[:3]}...); NASPipe only trains "
+                "supernet blocks. Move those modules into a Supernet block (a fixed block is fine)."
+            )
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        restore(trainer)  # the gradient_clip_val validate_run set aside
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        restore(trainer)
+        # Post the error before any exception callback may block, so a stage that lost this one
+        # (rank 0 above all, the process the user watches) names the cause, not just the silence.
+        engine = getattr(trainer.strategy, "engine", None)
+        failures = getattr(getattr(engine, "transport", None), "failures", None)
+        if failures is not None:
+            failures.post(exception)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        finish_resumed_epoch_sum(pl_module, trainer)
+        step_schedulers(trainer.lr_scheduler_configs, "epoch", trainer.current_epoch + 1, trainer.callback_metrics)
+
+    def on_save_checkpoint(
+        self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]
+    ) -> None:
+        state: dict[str, Any] = {"seed": getattr(pl_module, "naspipe_seed", 0)}
+        tracker = getattr(trainer.strategy, "data_tracker", None)
+        if tracker is not None:
+            data = state["data"] = tracker.state_dict()
+            if not data["finished"] and trainer.current_epoch > data["epoch"]:
+                reopen_epoch(checkpoint, data["epoch"])
+            data["epoch_open"] = epoch_open(checkpoint)
+            if data["epoch_open"]:
+                state["train_loss_sum"] = epoch_loss_sum(pl_module, data["epoch"])
+            # _should_check_val_epoch (private, Lightning 2.6): whether the epoch validates at its end.
+            if data["finished"] and data["epoch_open"]:
+                finish_last_window(checkpoint, trainer.fit_loop.epoch_loop._should_check_val_epoch())
+        checkpoint[CHECKPOINT_KEY] = state
+
+    def on_load_checkpoint(
+        self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]
+    ) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if not state:
+            return
+        pl_module.naspipe_seed = state["seed"]
+        if state.get("train_loss_sum") is not None:  # continued by the resumed epoch's first logged loss
+            pl_module.__dict__[RESUMED_SUM] = state["train_loss_sum"]
+        tracker = getattr(trainer.strategy, "data_tracker", None)
+        if tracker is not None and "data" in state:
+            tracker.load_state_dict(state["data"])
+
+
+class StageWeightsSync(*_CALLBACK_BASES):  # type: ignore[misc]
+    """Put first among the callbacks of a multi-stage fit by ``NASPipeStrategy``: at each epoch's end every
+    stage gets every block's current weights (a collective) before any other callback or the module's own
+    ``on_train_epoch_end`` reads them, as on one device. Between epochs a stage keeps current weights only
+    for its own blocks."""
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        trainer.strategy.sync_weights()

@@ -1,0 +1,189 @@
+"""A window's training losses logged as the plain Trainer logs them, one subnet at a time.
+
+Under the pipeline strategy one Lightning batch trains a window of subnets. The plain Trainer
+(one subnet per batch) logs each subnet's ``train_loss`` once: its loggers get ``train_loss_step``
+at step = the subnet's index every ``log_every_n_steps`` subnets, and ``train_loss_epoch`` is the
+batch-size-weighted mean over the epoch. :func:`log_window_losses` gives the same series:
+
+- the epoch mean is accumulated subnet by subnet, in the same order and arithmetic as
+  ``self.log`` (Lightning's result metric ``value + loss * batch_size``), so it is bitwise equal;
+- what the user's ``compute_loss`` logs (on the last stage, recorded and carried to every stage with
+  the losses) is logged again in each subnet's turn, through ``self.log``, with that subnet's batch;
+- loggers get each subnet's point at its own step, through Lightning's own batch-end logging, and
+  Lightning's step counter for loggers (``_batches_that_stepped``) counts subnets, so the window's last
+  point, Lightning's own epoch point and every other step-axis value line up with the plain run's.
+
+Cost: a few tensor operations per subnet. ``self.log`` runs once per epoch (it registers the metric
+and, at an epoch's first batch, resets it); later windows update the registered metric as ``self.log``
+would, without its per-call work (0.5-1.4 ms per call, mostly walking the metric to move it to the
+device it is already on), which every stage process paid once per window.
+
+Private Lightning API used (see docs/design.md): ``trainer._results`` (``update_metrics``, ``batch``,
+``batch_size``), ``trainer._logger_connector`` (``on_batch_start``, ``should_update_logs``,
+``update_train_step_metrics``, ``should_reset_tensors``, ``_current_fx``), and
+``fit_loop.epoch_loop._batches_that_stepped``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.namespaces import installed
+
+TRAIN_LOSS = "train_loss"
+
+
+class BatchStartPoints:
+    """What ``LearningRateMonitor`` (``logging_interval`` ``"step"`` or ``None``) logs at the start of each
+    subnet's batch in a plain run; Lightning calls it once per window.
+
+    Called with each subnet's index after its update and scheduler step (:attr:`.Engine.after_update`),
+    it takes the monitors' points for the next subnet of the window, as they read the optimizer then;
+    :func:`log_window_losses` logs them in that subnet's turn.
+
+    Args:
+        trainer: the running Trainer.
+        first, last: the window's first and last subnet index.
+    """
+
+    def __init__(self, trainer: Any, first: int, last: int) -> None:
+        self.trainer, self.first, self.last = trainer, first, last
+        self.monitors = lr_monitors(trainer)
+        #: Per subnet index, the points to log at its batch start.
+        self.points: dict[int, list[dict[str, float]]] = {}
+
+    def __call__(self, index: int) -> None:
+        batch = index + 1
+        every = self.trainer.log_every_n_steps
+        if not self.first < batch <= self.last or not ((batch + 1) % every == 0 or self.trainer.should_stop):
+            return  # Lightning's own should_update_logs, for that batch
+        for monitor in self.monitors:
+            # _extract_stats (private, Lightning 2.6): what the monitor's on_train_batch_start logs.
+            stats = monitor._extract_stats(self.trainer, "step" if monitor.logging_interval is None else "any")
+            if stats:
+                self.points.setdefault(batch, []).append(stats)
+
+
+def lr_monitors(trainer: Any) -> list[Any]:
+    """The trainer's ``LearningRateMonitor`` callbacks that log per batch (either namespace)."""
+    kinds = tuple(ns.pytorch.callbacks.LearningRateMonitor for ns in installed())
+    return [c for c in trainer.callbacks if isinstance(c, kinds) and c.logging_interval != "epoch"]
+
+
+def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | None], batches: Sequence[Any],
+                      batch_sizes: Sequence[int], records: Sequence[Any] = (),
+                      batch_starts: dict[int, list[dict[str, float]]] | None = None) -> None:
+    """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) and what its
+    ``compute_loss`` logged (``records``: ``(index, name, value, args, kwargs)`` of each ``self.log`` call,
+    see :class:`~lightning_naspipe.pipeline.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
+    own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped. ``batch_starts``: the
+    points of :class:`BatchStartPoints`, logged first in their subnet's turn.
+
+    Call it from ``training_step`` with the whole window.
+    """
+    trainer = module.trainer
+    if trainer.barebones:  # Lightning logs nothing then (self.log only warns)
+        return
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_batches_that_stepped") or not hasattr(trainer, "_results"):
+        raise NASPipeConfigError(
+            "This Lightning version lays out its training loop differently from what NASPipe knows (no "
+            "fit_loop.epoch_loop._batches_that_stepped or trainer._results); install a supported version "
+            "(see pyproject.toml)."
+        )
+    connector, results = trainer._logger_connector, trainer._results
+    key = _registered_key(module, trainer)
+    if key is not None:
+        connector._current_fx = module._current_fx_name  # as self.log leaves it
+    logged = [(k, loss) for k, loss in enumerate(losses) if loss is not None]
+    by_subnet: dict[int, list[Any]] = {}
+    for record in records:
+        by_subnet.setdefault(record[0], []).append(record)
+    for position, (k, loss) in enumerate(logged):
+        index = first_index + k
+        if position:  # a batch of its own in the plain run (Lightning started the window's first)
+            connector.on_batch_start(batches[k])
+        else:
+            results.batch, results.batch_size = batches[k], None
+        epoch_loop._batches_that_stepped = index  # the loggers' step axis counts subnets, as in the plain run
+        for point in (batch_starts or {}).get(index, ()):
+            for logger in trainer.loggers:
+                logger.log_metrics(point, step=index)
+        for _, name, value, args, kwargs in by_subnet.get(index, ()):
+            module.log(name, value, *args, **kwargs)
+        if key is None:
+            module.log(TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_sizes[k])
+            key = _result_key(results, TRAIN_LOSS)
+            if _continue_epoch_sum(module, results[key]):
+                results.update_metrics(key, loss, batch_sizes[k])
+        else:  # what self.log does for a metric already registered, without its per-call overhead
+            results.update_metrics(key, loss, batch_sizes[k])
+        # Lightning logs the window's last subnet itself, after training_step; the others here, as it would.
+        if position < len(logged) - 1 and connector.should_update_logs:
+            connector.update_train_step_metrics()
+    if key is not None:  # the epoch's running sum so far (Lightning replaces, never changes, these tensors)
+        metric = results[key]
+        module.__dict__[EPOCH_SUM] = (trainer.current_epoch, metric.value, metric.cumulated_batch_size)
+
+
+#: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.
+RESUMED_SUM = "_naspipe_resumed_loss_sum"
+#: ``(epoch, sum, batch count)`` behind ``train_loss_epoch`` after the last logged window.
+EPOCH_SUM = "_naspipe_epoch_loss_sum"
+
+
+def epoch_loss_sum(module: Any, epoch: int) -> dict[str, Tensor] | None:
+    """The running sum behind ``train_loss_epoch`` (and its batch count) after the last window of ``epoch``,
+    for a checkpoint written inside that epoch: Lightning does not save it (and resets it when ``max_steps``
+    stops the epoch), and a run resumed there would average only the subnets after the checkpoint."""
+    kept = module.__dict__.get(EPOCH_SUM)
+    if kept is None or kept[0] != epoch:
+        return None
+    return {"value": kept[1].clone(), "cumulated_batch_size": kept[2].clone()}
+
+
+def _continue_epoch_sum(module: Any, metric: Any) -> bool:
+    """Put a resumed run's saved sum (:func:`epoch_loss_sum`) into ``metric``, just registered by this
+    epoch's first ``self.log``, so that it goes on from it; whether it did (then log the value again)."""
+    saved = module.__dict__.pop(RESUMED_SUM, None)
+    if saved is None:
+        return False
+    metric.value, metric.cumulated_batch_size = saved["value"].clone(), saved["cumulated_batch_size"].clone()
+    return True
+
+
+def finish_resumed_epoch_sum(module: Any, trainer: Any) -> None:
+    """At the end of a resumed epoch that trained no subnet after the checkpoint, register the saved sum
+    so that Lightning logs ``train_loss_epoch`` as the uninterrupted run does."""
+    saved = module.__dict__.get(RESUMED_SUM)
+    if saved is None or trainer.barebones:
+        return
+    hook, module._current_fx_name = module._current_fx_name, "training_step"  # registered as training_step's
+    try:
+        module.log(TRAIN_LOSS, saved["value"].clone(), prog_bar=True, on_step=True, on_epoch=True, batch_size=1)
+    finally:
+        module._current_fx_name = hook
+    _continue_epoch_sum(module, trainer.fit_loop.epoch_loop._results[f"training_step.{TRAIN_LOSS}"])
+
+
+def _registered_key(module: Any, trainer: Any) -> str | None:
+    """The result key of ``train_loss`` if ``self.log`` would only update it now, else ``None``."""
+    fx = module._current_fx_name
+    # At an epoch's first batch self.log resets the metric first.
+    if fx != "training_step" or trainer._logger_connector.should_reset_tensors(fx):
+        return None
+    key = f"{fx}.{TRAIN_LOSS}"
+    return key if key in trainer._results else None
+
+
+def _result_key(results: Any, name: str) -> str:
+    """The result collection's key for metric ``name`` just logged (``"<hook>.<name>"``)."""
+    for key, metric in results.items():
+        if metric.meta.name == name and key.startswith("training_step."):
+            return str(key)
+    raise NASPipeConfigError(f"Lightning did not record self.log({name!r}, ...) where NASPipe expects it; "
+                             "install a supported Lightning version (see pyproject.toml).")

@@ -1,0 +1,392 @@
+"""``NASPipeStrategy``: pipeline-parallel supernet training as a Lightning strategy.
+
+Thin glue: Lightning's loop hands the mixin one *window* per batch (see :mod:`.data`), the
+mixin's ``training_step`` runs it through the strategy's :class:`~.engine.Engine` on this
+process's pipeline stage, and the results are bitwise those of a plain one-device ``Trainer``.
+One process per stage, launched by Lightning's own launchers (or ``torchrun``); the process
+group is gloo on CPU and NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_naspipe.integration.arguments import check_all
+from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
+from lightning_naspipe.integration.binding import bind_classes
+from lightning_naspipe.integration.callback import StageWeightsSync
+from lightning_naspipe.planning.block_timing import agreed_timed_weights
+from lightning_naspipe.integration.data import (
+    DataTracker,
+    WindowLoader,
+    refuse_distributed_sampler,
+    train_batch_limit,
+    transfer_hooks_overridden,
+)
+from lightning_naspipe.transport.distributed import drop_foreign_state, gather_objects, gather_optimizer_state
+from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.pipeline.microbatch import check_batch_sizes
+from lightning_naspipe.integration.mixin import NASPipeMixin
+from lightning_naspipe.pipeline.partition import block_weights, stage_ranges
+from lightning_naspipe.integration.preemption import SigtermAgreement
+from lightning_naspipe.integration.progress import count_subnets
+from lightning_naspipe.pipeline.stage_table import chunks_hint, stage_table
+from lightning_naspipe.space.supernet import supernet_of
+from lightning_naspipe.integration.stage_placement import StagePlacement
+from lightning_naspipe.pipeline.telemetry import StageTelemetry, write_trace_files
+from lightning_naspipe.transport.p2p import P2PTransport
+
+
+# Lightning advises self.log(..., sync_dist=True) for epoch-level metrics of a distributed run. Every
+# NASPipe stage computes the same values (outputs reach every stage), so the advice does not apply, and
+# averaging them would only add rounding: ignored from the first multi-stage setup in a process on.
+_SYNC_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
+
+
+class NASPipeStrategy(StagePlacement):
+    """Trains a NASPipe supernet with causal-synchronous-parallel (CSP) pipelining.
+
+    Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
+    The supernet's blocks are split into one contiguous stage per process. One Lightning batch is a
+    window of ``window`` subnets, each trained on its own batch of the user's dataloader; ``global_step``,
+    ``max_steps``, ``limit_train_batches`` and the progress bar count subnets, as in a plain run
+    (docs/lightning.md lists every flag). Every stage sees the same batches.
+
+    On CPU each stage process pins itself to its own share of the cores (see :mod:`.affinity`).
+
+    Both ``lightning.pytorch`` and ``pytorch_lightning`` Trainers accept it. A new instance serves
+    either: the Trainer that takes it binds it to its namespace (its class becomes
+    ``LightningNASPipeStrategy`` or ``PytorchLightningNASPipeStrategy``), so use one instance per Trainer.
+
+    Args:
+        window: subnets per Lightning batch; the scheduler overlaps any of them whose parameters
+            are disjoint. Results do not depend on it. At least 1.
+        chunks: micro-batches each subnet's batch is split into (along dim 0), pipelined through
+            the stages. Results are exact for a fixed ``chunks``; another value changes the
+            summation order.
+        num_stages: pipeline stages; must equal the number of processes (devices x nodes),
+            which is the default.
+        balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
+            and backward time, measured on the module's ``supernet_example_input`` when it sets one,
+            else on the first training batch (``pipeline_input`` of it, on the stage's device): the
+            run starts on a split by parameter counts and moves blocks, with their weights and
+            optimizer state, before the first window trains. Results never depend on the split.
+        schedule: ``"csp"`` (NASPipe); or, for comparison, ``"one_in_flight"`` (one subnet in the
+            pipeline at a time, the research artifact's reproducible baseline), ``"gpipe"`` (the
+            same with micro-batches filling and draining the pipeline per subnet; use ``chunks > 1``),
+            or ``"async"`` (ignores parameter sharing between in-flight subnets: faster, but NOT
+            reproducible). All but ``"async"`` keep the exactness contract.
+        rebalance_every: every this many windows, the stages' measured busy times are compared and, when
+            the busiest stage would get at least 10% faster, its edge block moves to a less busy
+            neighbour (weights, buffers and optimizer state move with it; logged). ``None`` keeps the
+            split fixed; an explicit ``balance`` is never changed. Results never depend on it.
+        offload: keep each stage's blocks (parameters, buffers and the optimizer state of
+            candidates not in flight) in host memory — pinned on CUDA — and hold on the device only
+            what in-flight subnets use plus a small prefetch buffer filled along the known schedule.
+            Results are bitwise the same as without it. Turn it on when the supernet does not fit
+            on the devices; it costs host-device copies (mostly hidden by the prefetch).
+        offload_budget_bytes: with ``offload``, an optional cap on each stage's device-resident
+            bytes for prefetching and caching; a subnet whose stage alone exceeds it is an error.
+        lookahead: while a window drains, run forwards of the next one (already fetched by Lightning)
+            on the stages that would idle, on every stage but the last and only through blocks without
+            buffers, so every weight, buffer and gradient at a window's end is what sequential training
+            has there (see :mod:`.lookahead`). Off with ``offload``, with a schedule other than
+            ``"csp"``, and when the module or datamodule overrides a batch-transfer hook (Lightning
+            would run it on the next batch again). Results never depend on it.
+        defer_weight_grads: on every stage but the first, compute a backward's weight gradients after
+            its input gradients are sent, so the stage before resumes sooner (see :mod:`.weight_grads`).
+            ``None``: measured per stage over its first eligible windows (``chunks=1``, most consecutive
+            subnets sharing a trainable block upstream, e.g. a stem), three each way, and kept where the
+            input gradients left at least 5% sooner; never outside such windows. ``True``/``False``
+            forces it. Results never depend on it.
+        telemetry: log each stage's busy, waiting and drain time and in-flight depth
+            (``telemetry/<stat>_stage<k>``) through the Trainer's loggers.
+        trace_dir: also keep every action's interval and, when ``fit`` ends, write
+            ``naspipe_trace.json`` (Chrome trace; open in Perfetto) and, if matplotlib is installed,
+            ``naspipe_timeline.png`` to this folder (implies ``telemetry``).
+        timeout: how long a stage waits for a neighbour or a collective before it declares
+            that stage lost and fails the run; a number is seconds.
+        process_group_backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default: gloo on CPU, NCCL on CUDA.
+        transport: how activations and gradients travel between stages: ``"auto"`` (shared memory
+            when every stage runs on one host and the backend is not NCCL, else ``torch.distributed``),
+            ``"shared_memory"`` (an error where it cannot be used) or ``"torch"`` (point-to-point calls of
+            the process group). Results never depend on it.
+        start_method: ``"popen"`` (re-run the script per process, Lightning's default) or
+            ``"spawn"``/``"fork"``/``"forkserver"`` (multiprocessing, e.g. for notebooks).
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer from ``devices``.
+        cluster_environment: set by the Trainer (``torchrun``, SLURM, ... are detected).
+        checkpoint_io: how checkpoints are written; default: Lightning's ``torch.save`` format, written
+            crash-safe (a temporary file next to the target, fsynced and renamed over it; see
+            :mod:`.checkpoint_io`).
+        precision_plugin: set by the Trainer from ``precision``.
+    """
+
+    strategy_name = "naspipe"
+
+    def __init__(
+        self,
+        window: int = 8,
+        chunks: int = 1,
+        num_stages: int | None = None,
+        balance: Sequence[int] | None = None,
+        schedule: str = "csp",
+        rebalance_every: int | None = 16,
+        offload: bool = False,
+        offload_budget_bytes: int | None = None,
+        lookahead: bool = True,
+        defer_weight_grads: bool | None = None,
+        telemetry: bool = False,
+        trace_dir: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=3),
+        process_group_backend: str | None = None,
+        transport: Literal["auto", "shared_memory", "torch"] = "auto",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        checked = check_all(dict(
+            window=window, chunks=chunks, num_stages=num_stages, balance=balance, schedule=schedule,
+            rebalance_every=rebalance_every, offload=offload, offload_budget_bytes=offload_budget_bytes,
+            lookahead=lookahead, defer_weight_grads=defer_weight_grads, telemetry=telemetry, trace_dir=trace_dir,
+            timeout=timeout, process_group_backend=process_group_backend, transport=transport,
+            start_method=start_method))
+        self._init_plugins(accelerator=accelerator, parallel_devices=parallel_devices,
+                           cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                           precision_plugin=precision_plugin)
+        self.window = window
+        self.chunks = chunks
+        self.num_stages = num_stages
+        self.balance: list[int] | None = checked["balance"]
+        self.rebalance_every = rebalance_every if balance is None else None  # an explicit balance is kept
+        if schedule == "async":
+            rank_zero_warn("NASPipeStrategy(schedule='async') ignores parameter sharing between in-flight subnets: "
+                           "results are not reproducible. Use it only as a speed baseline.")
+        self.schedule = schedule
+        self.offload = offload
+        self.offload_budget_bytes = offload_budget_bytes
+        self.lookahead = lookahead
+        self.defer_weight_grads = defer_weight_grads
+        self.telemetry = telemetry or trace_dir is not None
+        self.trace_dir = trace_dir
+        self.timeout: timedelta = checked["timeout"]
+        self._process_group_backend = process_group_backend
+        self.transport = transport
+        self._start_method = start_method
+        self._num_nodes = 1
+        self.engine: Engine | None = None
+        self.stage_ranges: list[range] = []
+        self._split_costs: tuple[list[float], str] = ([], "params")
+        self._stages_reported = False
+        self.data_tracker = DataTracker(self._trainer)
+        self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
+
+    @override
+    def connect(self, model: Any) -> None:
+        if not isinstance(model, NASPipeMixin):
+            raise NASPipeConfigError(
+                f"{type(model).__name__} does not use the NASPipe mixin: declare it as "
+                f"class {type(model).__name__}(lightning_naspipe.NASPipeMixin, LightningModule)."
+            )
+        super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
+
+    def _trainer(self) -> Any:
+        assert self.lightning_module is not None, "the strategy is connected to a module"
+        return self.lightning_module.trainer
+
+    # -- setup and the training loop ------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        supernet = supernet_of(self.lightning_module)
+        example = getattr(self.lightning_module, "supernet_example_input", None)
+        weights = None
+        if self.balance is None and example is not None and self.world_size > 1:
+            weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast)
+        self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance, weights)
+        self._split_costs = (weights, "ms") if weights is not None else (block_weights(supernet), "params")
+        self._stages_reported = False
+        # Without a balance or an example input, the first real batch is timed (on_train_batch_start).
+        self._time_first_batch = self.balance is None and example is None and self.world_size > 1
+        self._windows, self._busy_before = 0, [0.0] * self.world_size
+        telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
+        transport = None
+        if self.world_size > 1:
+            transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout,
+                                     links=self.transport, spin_s=self.receive_spin_s)
+            transport.telemetry = telemetry
+        self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
+                             schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload,
+                             defer_weight_grads=self.defer_weight_grads)
+        self._loader: WindowLoader | None = None
+        self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
+        if self.world_size > 1:
+            supernet.local_blocks = self.engine.blocks
+        super().setup(trainer)
+        self._whole = not (trainer.training and self.world_size > 1)
+        if self.optimizers and not self._whole:
+            drop_foreign_state(self.optimizers[0], self._owned())
+        if self.offload:
+            self._build_offloader()
+        count_subnets(trainer.progress_bar_callback, self.data_tracker)
+        if trainer.training:
+            call_per_subnet_batch(self.lightning_module, self.data_tracker)
+        if self.world_size > 1 and trainer.training and not any(isinstance(c, StageWeightsSync)
+                                                                for c in trainer.callbacks):
+            trainer.callbacks.insert(0, StageWeightsSync())
+        if self.world_size > 1:
+            warnings.filterwarnings("ignore", message=_SYNC_ADVICE)  # the same filter once, however many fits
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.world_size > 1:  # after Lightning registered its signal handlers
+            assert self._namespace is not None
+            agreement = SigtermAgreement(self._namespace)
+            agreement.install(self._trainer())
+            assert self.engine is not None, "built at setup"
+            self.engine.signals = agreement  # the flags travel with each window's losses
+            if transfer_hooks_overridden(self._trainer(), self.lightning_module):
+                self.engine.lookahead = False  # Lightning runs them on each batch it hands over
+            if isinstance(self.engine.transport, P2PTransport):
+                self.engine.transport.idle = self._read_ahead  # every stage reads every batch: read while waiting
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_at = (self._trainer().current_epoch, batch_idx)
+        if self.engine is not None and self._ahead_for != self._batch_at:
+            self.engine.drop_lookahead()  # the window it ran for did not come next (an epoch ended early)
+        self._ahead_for = (-1, -1)
+        if self._time_first_batch:
+            self._time_first_batch = False
+            self._balance_by_time(batch[0])
+        self._windows += 1
+        if self.rebalance_every and self.world_size > 1 and self._windows % self.rebalance_every == 0:
+            self._rebalance()
+
+    def upcoming_batches(self, first_index: int) -> list[Any] | None:
+        """The next window's batches, on this stage's device, for the engine's lookahead: the window
+        Lightning already fetched to train next in this epoch; ``None`` where lookahead cannot be used."""
+        trainer = self._trainer()
+        upcoming = self._loader.handed_out.get(first_index) if self._loader is not None else None
+        if (upcoming is None or self.engine is None or not self.engine.lookahead or self.world_size == 1
+                or (self.rebalance_every and (self._windows + 1) % self.rebalance_every == 0)):  # blocks move first
+            return None
+        if trainer.max_steps >= 0:
+            upcoming = upcoming[: max(0, trainer.max_steps - first_index)]
+        if not upcoming:
+            return None
+        self._ahead_for = (self._batch_at[0], self._batch_at[1] + 1)
+        # What Lightning does to a batch before training_step (transfer hooks, if overridden, turn lookahead off).
+        return list(self.batch_to_device(self.precision_plugin.convert_input(upcoming)))
+
+    def _read_ahead(self) -> bool:
+        return self._loader is not None and self._loader.read_ahead()
+
+    @override
+    def on_train_end(self) -> None:
+        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+            self.engine.transport.idle = None
+        if self.trace_dir is not None:
+            self._write_trace()
+        self.sync_weights()
+        if self.world_size > 1 and self.optimizers:
+            # Every rank holds the whole optimizer state too, so that a later validate/test/predict (which
+            # splits the blocks anew, by parameters) loses none of a block the timed split had moved.
+            inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
+            inner.load_state_dict(gather_optimizer_state(inner, self._owned(), self.root_device))
+        supernet_of(self.lightning_module).local_blocks = None  # whole again
+        self._whole = True
+
+    @override
+    def teardown(self) -> None:
+        # After fit, validate, test or a failure: no copy thread left, and the supernet whole again.
+        if self.engine is not None and self.engine.offloader is not None:
+            self.engine.offloader.close()
+            self.engine.offloader = None
+        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+            self.engine.transport.close()
+            self.engine.transport = None
+        supernet = getattr(self.lightning_module, "supernet", None)
+        if supernet is not None:
+            supernet.local_blocks = None
+            stop_calling_per_subnet_batch(self.lightning_module)
+        if self._train_limit is not None and self.lightning_module is not None:
+            self.lightning_module.trainer.limit_train_batches = self._train_limit
+            self._train_limit = None
+        super().teardown()
+
+    def stage_metrics(self) -> dict[str, float]:
+        """Every stage's offload accounting and telemetry, keyed ``offload/<stat>_stage<k>`` and
+        ``telemetry/<stat>_stage<k>``; the same on every rank (collective when there is any)."""
+        mine = self.engine.metrics() if self.engine is not None else {}
+        if not mine:  # offload and telemetry are off on every rank alike
+            return {}
+        stages = gather_objects(mine, self.world_size)
+        return {f"{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
+
+    def window_trained(self) -> None:
+        """A window was trained (every stage): a checkpoint inside the epoch resumes from here."""
+        self.data_tracker.window_trained()
+
+    def report_stages(self) -> None:
+        """Log the stage table (:mod:`.stage_table`) on rank 0 once, after the first window (collective)."""
+        if self._stages_reported:
+            return
+        self._stages_reported = True
+        transport = self.engine.transport if self.engine is not None else None
+        sends = gather_objects(getattr(transport, "first_activation", None), self.world_size)
+        if self.is_global_zero:
+            costs, unit = self._split_costs
+            table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends)
+            hint = chunks_hint(supernet_of(self.lightning_module), self.stage_ranges, self.chunks)
+            self._info(f"NASPipe stages:\n{table}" + (f"\n{hint}" if hint else ""))
+
+    def _write_trace(self) -> None:
+        assert self.engine is not None and self.engine.telemetry is not None and self.trace_dir is not None
+        events = [e for part in gather_objects(self.engine.telemetry.chrome_events(), self.world_size) for e in part]
+        if self.is_global_zero:
+            write_trace_files(self.trace_dir, events)
+
+    # -- data -----------------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        refuse_distributed_sampler(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        training = trainer is not None and trainer.training
+        check_batch_sizes(dataloader, self.chunks, supernet_of(self.lightning_module), training)
+        if trainer is None or not training:
+            return dataloader
+        # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window (a private attribute).
+        triggers = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
+        # limit_train_batches (and overfit_batches, which sets it) counts the user's batches here; Lightning,
+        # which would count windows, is told to take the whole (window) loader. Restored at teardown.
+        if self._train_limit is None:
+            self._train_limit = trainer.limit_train_batches
+        trainer.limit_train_batches = 1.0
+        limit = train_batch_limit(self._train_limit, dataloader)  # type: ignore[arg-type]
+        self._loader = WindowLoader(dataloader, self.window, self.data_tracker, triggers,  # type: ignore[arg-type]
+                                    limit)
+        return self._loader
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="NASPipe: reproducible CSP pipeline for supernets", override=True
+        )
+
+
+bind_classes(NASPipeStrategy)

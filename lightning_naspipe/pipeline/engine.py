@@ -1,0 +1,388 @@
+"""The training engine: a window of batches in, per-subnet updates and losses out.
+
+Flow for one window (one Lightning batch)::
+
+    batches ──► sampler (subnet i = f(seed, i)) ──► resources per stage ──► CSP schedule
+            ──► this stage's actions ──► StageExecutor (forward / backward / update)
+
+With one stage this *is* the sequential reference (the schedule degenerates to
+``F0 B0 U0 F1 B1 U1 ...``); with N stages every process builds the same schedule and runs
+its own row of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from lightning_naspipe.pipeline.clipping import UpdateClipping, clips, clips_by_norm
+from lightning_naspipe.pipeline.executor import StageExecutor, StageModule, Transport, Window
+from lightning_naspipe.pipeline.grad_norm import NormExchange
+from lightning_naspipe.pipeline.lookahead import plan_step
+from lightning_naspipe.pipeline.microbatch import split_batch
+from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
+from lightning_naspipe.pipeline.offload.offload import Offloader
+from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
+from lightning_naspipe.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    SCHEDULES,
+    UPDATE,
+    Action,
+    Schedule,
+    build_schedule,
+    scheduling_resources,
+    with_ties,
+)
+from lightning_naspipe.space.supernet import Resource, Supernet
+from lightning_naspipe.pipeline.telemetry import StageTelemetry
+from lightning_naspipe.pipeline.ties import TieRoutes, ties_of
+from lightning_naspipe.pipeline.weight_grads import DeferralChooser, serialised
+
+
+@dataclass
+class WindowPlan:
+    """What every stage process computes alike for one window, before running any of it.
+
+    Attributes:
+        window: the subnets, their architectures and micro-batches; with lookahead, the next
+            window's subnets follow this window's (see :mod:`.lookahead`).
+        resources: ``resources[k][s]``: the resources subnet ``k`` uses on stage ``s``, and a resource tied across
+            stages on its owner for every subnet using it anywhere (:func:`.actions.with_ties`).
+        schedule: the per-stage action orders.
+        schedule_mode: one of :data:`SCHEDULES`.
+        size: how many of ``window``'s subnets are this window's own.
+        carried: the next window's forwards this window runs (its ``done``, see :func:`.plan_step`).
+    """
+
+    window: Window
+    resources: list[list[frozenset[Resource]]]
+    schedule: Schedule
+    schedule_mode: str
+    size: int
+    carried: frozenset[tuple[int, Action]] = frozenset()
+
+    def actions(self, stage: int) -> list[Action]:
+        """Stage ``stage``'s actions, in the order it runs them."""
+        actions = list(self.schedule.stages[stage])
+        if self.schedule_mode == "async":
+            # Updates after the window's last backward: with conflicts ignored, an update in the middle
+            # would change weights that other in-flight subnets saved for their backward. Updates send
+            # nothing, so moving them keeps every link's message order.
+            actions = [a for a in actions if a.kind != UPDATE] + [a for a in actions if a.kind == UPDATE]
+        return actions
+
+    def run_schedule(self) -> Schedule:
+        """The schedule with each stage's actions in the order it runs them (the order messages are sent)."""
+        if self.schedule_mode != "async":
+            return self.schedule
+        return replace(self.schedule, stages=tuple(tuple(self.actions(s)) for s in range(len(self.schedule.stages))))
+
+
+_EXCHANGE_TICKS = {FORWARD: 2, BACKWARD: 4, UPDATE: 1}
+
+
+def _exchange_cost(stage: int, action: Action) -> int:
+    """Ticks the schedule gives an action when updates exchange norms. The stages' updates of a subnet run
+    together, so a stage that reaches ``U(i)`` early waits in it for the others' backwards; with every action
+    one tick, a later stage would put ``U(i)`` before its next backward and wait there for stage 0's longer
+    backward of ``i``. A backward takes about twice a forward, an update less (20-25% more subnets/s on
+    independent subnets than with one tick each, in a model of 2 stages; ``docs/design.md``)."""
+    return _EXCHANGE_TICKS[action.kind]
+
+
+def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range], schedule_mode: str, chunks: int,
+                memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None, upcoming: Window | None = None,
+                done: frozenset[tuple[int, Action]] = frozenset(), norms: bool = False) -> WindowPlan:
+    """Plan ``window``: each subnet's resources per stage and the schedule (pure: no processes, no
+    tensors touched). ``memory_budget`` as for :class:`Engine`. With ``upcoming`` (the next window) or
+    ``done`` (this window's forwards run ahead), plan with lookahead (``"csp"`` only, no budget).
+    ``norms``: updates exchange gradient norms (global-norm clipping, see :mod:`.grad_norm`)."""
+    size = len(window.architectures)
+    if upcoming is not None or done:
+        if schedule_mode != "csp" or memory_budget is not None:
+            raise ValueError("lookahead plans schedule='csp' without a memory budget only")
+        if upcoming is not None:
+            window = Window(window.first_index, window.architectures + upcoming.architectures,
+                            window.pieces + upcoming.pieces)
+    resources = [[supernet.resources(blocks, arch) for blocks in stage_blocks] for arch in window.architectures]
+    ties = ties_of(supernet, stage_blocks)
+    if ties is not None:
+        resources = with_ties(resources, ties.homes)
+    if upcoming is not None or done:
+        def may_run_early(subnet: int, stage: int) -> bool:  # a forward may change buffers (BatchNorm)
+            return not any(supernet.resource_state(r).buffers for r in resources[subnet][stage])
+
+        step = plan_step(resources, size, chunks, done, may_run_early, norms, _exchange_cost if norms else None)
+        return WindowPlan(window, resources, step.schedule, schedule_mode, size, step.carried)
+    planned = scheduling_resources(schedule_mode, resources)
+    if memory_budget is not None:
+        budget, sizes = memory_budget
+        by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
+        planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
+    schedule = build_schedule(planned, chunks, _exchange_cost if norms else None, norms=norms)
+    return WindowPlan(window, resources, schedule, schedule_mode, size)
+
+
+class BoundarySignals(Protocol):
+    """Flags the stages agree on at each window's end, with the losses (see :mod:`.preemption`)."""
+
+    def flags(self) -> Sequence[int]:
+        """This stage's flags; every stage gives as many."""
+        ...
+
+    def agreed(self, flags: Sequence[int]) -> None:
+        """Each flag set (1) if any stage set it."""
+        ...
+
+
+class EngineModule(StageModule, Protocol):
+    """What the engine needs from the user's module (a LightningModule with the mixin)."""
+
+    @property
+    def naspipe_seed(self) -> int: ...
+
+    @property
+    def trainer(self) -> Any: ...
+
+    def sample_subnet(self, index: int) -> dict[str, int]: ...
+
+    def optimizers(self) -> Any: ...
+
+
+class Engine:
+    """Trains windows of subnets on one stage of the pipeline.
+
+    Args:
+        stage_blocks: the block indices of every stage, in stage order (contiguous ranges).
+        stage: which of them this process runs.
+        chunks: micro-batches per subnet.
+        transport: moves tensors between stages; ``None`` with one stage.
+        schedule: one of :data:`SCHEDULES` (see :func:`scheduling_resources`).
+        offloader: keeps this stage's resources in host memory between uses (``offload=True``).
+        memory_budget: ``(bytes, per-stage resource sizes)``: schedule so that each stage's in-flight
+            resources fit (see :func:`~.residency.memory_conflicts`); the same on every stage process.
+        telemetry: records this stage's timeline (busy, waiting, drain, in-flight depth).
+        lookahead: run the next window's forwards in this window's drain when :meth:`train_window`
+            is given the next window's batches (see :mod:`.lookahead`); ``"csp"`` with several stages,
+            no offloader and no memory budget only. Results never depend on it.
+        defer_weight_grads: compute a backward's weight gradients after sending its input gradients
+            (see :mod:`.weight_grads`): ``None`` measures whether it pays (:class:`DeferralChooser`),
+            ``True``/``False`` forces it. Results never depend on it.
+        clip_norms: plan a gradient-norm exchange in every update (several stages), so that a norm clip
+            is exact (see :mod:`.clipping`); ``None``: when the module's Trainer clips by norm or it
+            overrides ``configure_gradient_clipping`` (:func:`.clipping.clips_by_norm`).
+    """
+
+    def __init__(
+        self,
+        stage_blocks: Sequence[range],
+        stage: int = 0,
+        chunks: int = 1,
+        transport: Transport | None = None,
+        schedule: str = "csp",
+        offloader: Offloader | None = None,
+        memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None,
+        telemetry: StageTelemetry | None = None,
+        lookahead: bool = False,
+        defer_weight_grads: bool | None = None,
+        clip_norms: bool | None = None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        self.stage_blocks = list(stage_blocks)
+        self.stage = stage
+        self.chunks = chunks
+        self.transport = transport
+        self.schedule = schedule
+        self.offloader = offloader
+        self.memory_budget = memory_budget
+        self.telemetry = telemetry
+        #: Seconds this stage has computed in windows (waiting for neighbours excluded): rebalancing input.
+        self.busy_s = 0.0
+        #: Flags the stages agree on at each window's end (preemption signals); set by the strategy.
+        self.signals: BoundarySignals | None = None
+        self.lookahead = lookahead
+        #: Forwards (chunks) this stage has run in the window before their own (lookahead).
+        self.forwards_ahead = 0
+        # The next window with the forwards this stage already ran for it, and what they keep for backward.
+        self._ahead: tuple[Window, frozenset[tuple[int, Action]]] | None = None
+        self._stash: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
+        self.deferral = DeferralChooser(forced=defer_weight_grads)
+        #: Windows this stage ran with its weight gradients deferred (see :mod:`.weight_grads`).
+        self.windows_deferred = 0
+        #: Called with a subnet's index after its update and per-step scheduler step on this stage, when the
+        #: optimizer is as the next subnet will find it (the mixin takes what a plain run logs then).
+        self.after_update: Callable[[int], None] | None = None
+        self.clip_norms = clip_norms
+        self._clipping: UpdateClipping | None = None
+
+    @property
+    def blocks(self) -> range:
+        """The blocks this stage runs."""
+        return self.stage_blocks[self.stage]
+
+    def metrics(self) -> dict[str, float]:
+        """This stage's offload accounting and telemetry (``offload/<stat>``, ``telemetry/<stat>``)."""
+        found: dict[str, float] = {}
+        if self.offloader is not None:
+            found.update({f"offload/{k}": v for k, v in self.offloader.stats.as_metrics().items()})
+        if self.telemetry is not None:
+            found.update({f"telemetry/{k}": v for k, v in self.telemetry.metrics().items()})
+            found["telemetry/windows_deferred"] = float(self.windows_deferred)
+        return found
+
+    def train_window(self, module: EngineModule, batches: Sequence[Any], first_index: int,
+                     upcoming: Sequence[Any] | None = None) -> Window:
+        """Train subnets ``first_index, first_index + 1, ...`` on ``batches``, one batch each.
+
+        Args:
+            upcoming: the next window's batches, if it is known to follow: with :attr:`lookahead`, some
+                of its forwards run in this window's drain. Every stage must pass the same.
+
+        Returns:
+            The window: its architectures and, on the last stage, each subnet's loss.
+        """
+        supernet = module.supernet
+        ahead, done = self._ahead or (None, frozenset[tuple[int, Action]]())
+        if ahead is not None and ahead.first_index == first_index and len(ahead.architectures) == len(batches):
+            window, self._ahead = ahead, None  # with the batches the forwards run ahead used
+        else:
+            self.drop_lookahead()
+            window, done = self._window(module, batches, first_index), frozenset()
+        looks_ahead = (self.lookahead and len(self.stage_blocks) > 1 and self.schedule == "csp"
+                       and self.offloader is None and self.memory_budget is None)
+        following = self._window(module, upcoming, first_index + len(batches)) if upcoming and looks_ahead else None
+        norms = len(self.stage_blocks) > 1 and (clips_by_norm(module) if self.clip_norms is None else self.clip_norms)
+        return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule, self.chunks,
+                                                   self.memory_budget, following, done, norms))
+
+    def drop_lookahead(self) -> None:
+        """Forget the forwards run ahead for a next window that did not come (e.g. the epoch ended)."""
+        if self._ahead is None:
+            return
+        first = self._ahead[0].first_index
+        self._ahead = None
+        for key in [key for key in self._stash if key[0] >= first]:
+            del self._stash[key]
+        if self.transport is not None:
+            self.transport.drop_from(first)
+
+    def _window(self, module: EngineModule, batches: Sequence[Any], first_index: int) -> Window:
+        architectures = [module.supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
+        return Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
+
+    def run_window(self, module: EngineModule, plan: WindowPlan) -> Window:
+        """Run this stage's row of ``plan``: forwards, backwards and per-subnet updates."""
+        window, resources = plan.window, [r[self.stage] for r in plan.resources]
+        actions = plan.actions(self.stage)
+        eligible = self.chunks == 1 and serialised(plan.resources, plan.size, self.stage)
+        defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
+        ties = ties_of(module.supernet, self.stage_blocks)
+        routes = ties.routes(self.stage, plan.resources) if ties is not None else None
+        executor = self._executor(module, self.telemetry, defer, routes)
+        self.windows_deferred += defer
+        residency = None
+        if self.offloader is not None:
+            order = [a.subnet for a in actions if a.kind == FORWARD and a.chunk == 0]
+            residency = WindowResidency(self.offloader, order, resources)
+
+        def update(k: int) -> None:
+            self.update(module, window.first_index + k, resources[k])
+            if residency is not None:
+                residency.after_update(k)
+
+        if self.telemetry is not None:
+            self.telemetry.begin_window()
+        self._clipping = self._update_clipping(module, plan.schedule.norms)
+        if self.transport is not None:
+            self.transport.begin_window(plan.run_schedule(), window.first_index)
+        start, waited = time.perf_counter(), getattr(self.transport, "wait_s", 0.0)
+        executor.run(actions, window, update, residency.before_forward if residency else None)
+        self.busy_s += time.perf_counter() - start - (getattr(self.transport, "wait_s", 0.0) - waited)
+        if eligible:
+            self.deferral.record(defer, executor.seconds_to_send)
+        if residency is not None:
+            residency.finish()
+        own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size])
+        own.losses, own.records = window.losses[:plan.size], window.records
+        if plan.size < len(window.architectures):
+            following = Window(window.first_index + plan.size, window.architectures[plan.size:],
+                               window.pieces[plan.size:])
+            self._ahead = (following, plan.carried)
+            self.forwards_ahead += sum(s == self.stage for s, _ in plan.carried)
+        if self.transport is not None:
+            self.transport.end_window()
+            flags = self.signals.flags() if self.signals is not None else ()
+            losses, agreed, own.records = self.transport.share_window_end(own.losses, flags, own.records)
+            own.losses = list(losses)
+            if self.signals is not None:
+                self.signals.agreed(agreed)
+        if self.telemetry is not None:
+            self.telemetry.end_window()
+        return own
+
+    def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
+        """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
+        architecture = module.supernet.validate(architecture)
+        ties = ties_of(module.supernet, self.stage_blocks)
+        executor = self._executor(module, None, ties=ties.routes(self.stage, None) if ties else None)
+        keys = module.supernet.resources(self.blocks, architecture)
+        if self.offloader is not None:
+            self.offloader.acquire(keys)
+        try:
+            output = executor.forward_only(batch, architecture)
+        finally:  # an error must not leave the resources counted as in use
+            if self.offloader is not None:
+                self.offloader.release(keys)
+        if self.transport is not None:
+            self.transport.end_window()
+            output = self.transport.share(output)
+        return output
+
+    def _update_clipping(self, module: EngineModule, norms: bool) -> UpdateClipping | None:
+        """How this window's updates clip; ``None`` where they need nothing (one stage, no clipping)."""
+        stages = len(self.stage_blocks)
+        if stages == 1 and not clips(module):
+            return None
+        transport, device = self.transport, getattr(self.transport, "device", torch.device("cpu"))
+
+        def exchange(index: int) -> NormExchange:
+            assert transport is not None
+            return NormExchange(transport, self.stage, stages, index, device)
+
+        return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
+
+    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None, defer_weight_grads: bool = False,
+                  ties: TieRoutes | None = None) -> StageExecutor:
+        return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
+                             self.transport, telemetry, self._stash, defer_weight_grads, ties)
+
+    def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
+        """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then
+        per-step schedulers."""
+        supernet = module.supernet
+        params = resource_parameters(supernet.resource_state(r) for r in sorted(resources))
+        ties = ties_of(supernet, self.stage_blocks)
+        if ties is not None:  # a resource tied across stages: this stage steps its own part only
+            params = ties.owned(self.stage, params)
+        optimizer = module.optimizers()
+        assert not isinstance(optimizer, list)
+        if self.offloader is not None:
+            self.offloader.note_gradients(params)
+        clipping = self._clipping
+        with (clipping.step(module, optimizer.optimizer, params, index) if clipping else contextlib.nullcontext()), \
+                restrict_param_groups(optimizer.optimizer, params):
+            optimizer.step()
+        for p in params:
+            p.grad = None
+        trainer = module.trainer
+        if trainer.lr_scheduler_configs:  # callback_metrics alone costs tens of microseconds per update
+            step_schedulers(trainer.lr_scheduler_configs, "step", index + 1, trainer.callback_metrics)
+        if self.after_update is not None:
+            self.after_update(index)

@@ -1,0 +1,333 @@
+"""One stage's worker: runs its forward, backward and update actions in schedule order.
+
+Every block boundary is a gradient boundary (see :mod:`.boundary`): a forward keeps each block's
+input leaves and output, and a backward walks the blocks last to first.
+
+The same executor runs the single-stage (sequential) path and every stage of the pipeline;
+only the :class:`Transport` between stages differs, so the two paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+import time
+from typing import Any, Protocol, TypeVar
+
+from torch import Tensor
+
+from lightning_naspipe.transport.boundary import backward_through, cut, device_of, leaf_grads
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.pipeline.sampling import keyed_rng
+from lightning_naspipe.pipeline.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.space.supernet import Architecture, Supernet
+from lightning_naspipe.pipeline.telemetry import StageTelemetry
+from lightning_naspipe.pipeline.ties import TieRoutes
+from lightning_naspipe.pipeline.weight_grads import DeferredWeights
+
+
+_T = TypeVar("_T")
+
+# Randomness key of evaluation forwards: apart from every training subnet's (indices are >= 0).
+EVALUATION_INDEX = -1
+
+_LOSS_CONTEXT: ContextVar[tuple[int, list[Any]] | None] = ContextVar("naspipe_loss_context", default=None)
+
+
+def loss_context() -> tuple[int, list[Any]] | None:
+    """While a training window's ``compute_loss`` runs: the subnet's global index and the window's
+    :attr:`Window.records`, where the caller (the mixin's ``self.log``) may record what the plain run
+    would do in that subnet's own step; ``None`` elsewhere."""
+    return _LOSS_CONTEXT.get()
+
+
+class Transport(Protocol):
+    """Moves activations to the next stage and gradients to the previous one (see ``transport.py``)."""
+
+    def begin_window(self, schedule: Schedule, first_index: int) -> None: ...
+
+    def end_window(self) -> None: ...
+
+    def drop_from(self, first_index: int) -> None: ...
+
+    def share(self, value: Any) -> Any: ...
+
+    def share_window_end(self, losses: Sequence[Tensor | None], flags: Sequence[int],
+                         records: list[Any] | None = None) -> tuple[list[Tensor], list[int], list[Any]]:
+        """The last stage's losses and ``records``, and the flags the stages agree on, on every stage."""
+        ...
+
+    def send_activation(self, subnet: int, chunk: int, value: Any) -> None: ...
+
+    def recv_activation(self, subnet: int, chunk: int) -> Any: ...
+
+    def send_gradient(self, subnet: int, chunk: int, value: Any) -> None: ...
+
+    def recv_gradient(self, subnet: int, chunk: int) -> Any: ...
+
+    def send_value(self, stage: int, value: Any) -> None: ...
+
+    def recv_value(self, stage: int) -> Any: ...
+
+    def send_norms(self, subnet: int, stage: int, value: Any) -> None:
+        """Send a neighbouring ``stage`` subnet ``subnet``'s gradient-norm message (see :mod:`.grad_norm`)."""
+        ...
+
+    def recv_norms(self, subnet: int, stage: int) -> Any:
+        """The gradient-norm message of subnet ``subnet`` from a neighbouring ``stage``."""
+        ...
+
+
+class StageModule(Protocol):
+    """What the executor needs from the user's module (the mixin provides it)."""
+
+    supernet: Supernet
+
+    def pipeline_input(self, batch: Any) -> Any: ...
+
+    def compute_loss(self, output: Any, batch: Any) -> Tensor: ...
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None: ...
+
+
+@dataclass
+class Window:
+    """The subnets of one Lightning batch and their micro-batches.
+
+    Attributes:
+        first_index: global index (training step) of the window's first subnet.
+        architectures: one architecture per subnet.
+        pieces: per subnet, its ``(micro-batch, weight)`` pairs.
+        losses: per subnet, its loss (the weighted sum of its micro-batch losses); filled on
+            the last stage only.
+        records: what ``compute_loss`` recorded on the last stage (see :func:`loss_context`), in the
+            order it ran; after :meth:`.Engine.run_window`, the last stage's on every stage.
+    """
+
+    first_index: int
+    architectures: list[Architecture]
+    pieces: list[list[tuple[Any, float]]]
+    losses: list[Tensor | None] = field(default_factory=list)
+    records: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.losses = [None] * len(self.architectures)
+
+
+class StageExecutor:
+    """Executes one stage's share of a window.
+
+    Args:
+        module: the user's LightningModule (with the mixin).
+        stage: this stage's position, 0-based.
+        num_stages: the number of pipeline stages.
+        blocks: the global indices of the supernet blocks this stage runs.
+        seed: the run's seed, keying each block's randomness.
+        transport: how tensors reach neighbouring stages; unused with one stage.
+        telemetry: records the actions' timeline, if given.
+        stash: where forwards keep what their backward needs, by global ``(subnet, chunk)``; pass the
+            same one to the next window's executor when forwards run ahead (see :mod:`.lookahead`).
+        defer_weight_grads: send a backward's input gradients before computing its weight gradients
+            (see :mod:`.weight_grads`); ignored on the first stage, which sends none.
+        ties: how this stage moves the values and gradients of parameters tied across stages (:mod:`.ties`);
+            ``None`` when no parameter spans stages.
+    """
+
+    def __init__(
+        self,
+        module: StageModule,
+        stage: int,
+        num_stages: int,
+        blocks: range,
+        seed: int,
+        transport: Transport | None = None,
+        telemetry: StageTelemetry | None = None,
+        stash: dict[tuple[int, int], list[tuple[Any, Any]]] | None = None,
+        defer_weight_grads: bool = False,
+        ties: TieRoutes | None = None,
+    ) -> None:
+        if num_stages > 1 and transport is None:
+            raise ValueError("a multi-stage executor needs a transport")
+        self.module = module
+        self.stage = stage
+        self.blocks = blocks
+        self.seed = seed
+        self.transport = transport
+        self.telemetry = telemetry
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        # (global subnet, chunk) -> per block (input, output); the last block's output is replaced by
+        # the weighted loss on the last stage. Kept for backward.
+        self._stash = {} if stash is None else stash
+        self.defer_weight_grads = defer_weight_grads and not self.is_first
+        self.ties = ties
+        #: Per backward, seconds from having its output gradients to sending its input gradients.
+        self.seconds_to_send: list[float] = []
+
+    def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None],
+            first_forward: Callable[[int], None] | None = None) -> None:
+        """Run ``actions`` in order; ``update(k)`` steps the optimizer for window subnet ``k``;
+        ``first_forward(k)`` (if given) runs before subnet ``k``'s first forward on this stage."""
+        for action in actions:
+            if self.telemetry is not None:
+                self.telemetry.start_action()
+                start = time.perf_counter()
+            if action.kind == FORWARD:
+                if first_forward is not None and action.chunk == 0:
+                    first_forward(action.subnet)
+                self._forward(window, action.subnet, action.chunk)
+            elif action.kind == BACKWARD:
+                self._backward(window, action.subnet, action.chunk)
+            elif action.kind == UPDATE:
+                update(action.subnet)
+            else:  # pragma: no cover - the scheduler only emits the three kinds
+                raise ValueError(f"unknown action {action}")
+            if self.telemetry is not None:
+                self.telemetry.action(str(action), action.kind, action.subnet, start, time.perf_counter())
+
+    def forward_only(self, batch: Any, architecture: Architecture) -> Any:
+        """This stage's part of an evaluation forward; the output on the last stage, else ``None``."""
+        passing: dict[int, Tensor] = {}
+        if self.is_first:
+            x = self.module.pipeline_input(batch)
+        else:
+            assert self.transport is not None
+            x = self.transport.recv_value(self.stage - 1)
+            if self.ties is not None:
+                x, passing = self.ties.take_values(0, x)
+        for _, x in self._run_blocks(x, architecture, EVALUATION_INDEX, 0):
+            pass
+        if self.is_last:
+            return x
+        assert self.transport is not None
+        self.transport.send_value(self.stage + 1, x if self.ties is None else self.ties.with_values(0, x, passing))
+        return None
+
+    def _run_blocks(self, x: Any, architecture: Architecture, index: int, chunk: int) -> Iterator[tuple[Any, Any]]:
+        """Each block's ``(input, output)``; a block's input is its predecessor's output, :func:`cut`
+        (the first block's is ``x``, fresh from the data or the transport)."""
+        device = device_of(x)
+        supernet = self.module.supernet
+        for n, block in enumerate(self.blocks):
+            if n > 0:
+                x = cut(x)
+            with keyed_rng(device, self.seed, index, block, chunk):
+                try:
+                    y = supernet.run_block(block, x, architecture)
+                except RuntimeError as error:
+                    if "leaf Variable that requires grad" in str(error):
+                        raise NASPipeConfigError(
+                            f"Block {block} modifies its input in place (e.g. nn.ReLU(inplace=True) as its first op). "
+                            "Every block's input is a gradient leaf, so use inplace=False for the op that first "
+                            "touches the block's input."
+                        ) from error
+                    raise
+            yield x, y
+            x = y
+
+    def _forward(self, window: Window, k: int, c: int) -> None:
+        piece, weight = window.pieces[k][c]
+        index = window.first_index + k
+        ties = self.ties if c == 0 else None  # tied values travel with a subnet's first activation
+        passing: dict[int, Tensor] = {}
+        if self.is_first:
+            x = self.module.pipeline_input(piece)
+        else:
+            assert self.transport is not None
+            x = self.transport.recv_activation(index, c)
+            if ties is not None:
+                x, passing = ties.take_values(k, x)
+        saved = list(self._run_blocks(x, window.architectures[k], index, c))
+        y = saved[-1][1]
+        if self.is_last:
+            token = _LOSS_CONTEXT.set((index, window.records))
+            try:
+                loss = self.module.compute_loss(y, piece)
+            finally:
+                _LOSS_CONTEXT.reset(token)
+            if not isinstance(loss, Tensor) or loss.dim() != 0:
+                raise TypeError(f"compute_loss must return a scalar tensor, got {_describe(loss)}.")
+            if len(window.pieces[k]) > 1:
+                loss = loss * weight
+            total = window.losses[k]
+            window.losses[k] = loss.detach() if total is None else total + loss.detach()
+            saved[-1] = (saved[-1][0], loss)
+        else:
+            assert self.transport is not None
+            self.transport.send_activation(index, c, y if ties is None else ties.with_values(k, y, passing))
+        self._stash[(index, c)] = saved
+
+    def _backward(self, window: Window, k: int, c: int) -> None:
+        """Backward block by block, last to first: each block's outputs get the gradients its
+        successor's input leaves collected (see :mod:`.boundary`). With :attr:`defer_weight_grads`,
+        the weight gradients are computed after the input gradients are sent."""
+        index = window.first_index + k
+        saved = self._stash.pop((index, c))
+        deferred = DeferredWeights() if self.defer_weight_grads else None
+        blocks = reversed(self.blocks)
+        inputs, outputs = saved.pop()
+        block = next(blocks)
+        architecture = window.architectures[k]
+        passing: list[Any] = []
+        contributions: list[Tensor | None] = []  # to parameters tied to an earlier stage's (see ties.py)
+        if self.is_last:
+            start = time.perf_counter()
+            # Lightning's precision plugins scale the loss here
+            self._capturing(k, block, contributions, lambda: self.module.manual_backward(outputs))
+            grads = leaf_grads(inputs)
+        else:
+            assert self.transport is not None
+            received = self.transport.recv_gradient(index, c)
+            if self.ties is not None:
+                received, passing = self.ties.take_grads(k, received)
+            start = time.perf_counter()
+            grads = self._capturing(k, block, contributions, lambda: self._block_backward(
+                outputs, received, inputs, architecture, block, deferred))
+        for block in blocks:
+            inputs, outputs = saved.pop()
+            grads = self._capturing(k, block, contributions, lambda: self._block_backward(
+                outputs, grads, inputs, architecture, block, deferred))
+        if not self.is_first:
+            assert self.transport is not None
+            self.seconds_to_send.append(time.perf_counter() - start)
+            if self.ties is not None:
+                grads = self.ties.with_grads(k, grads, passing, contributions)
+            self.transport.send_gradient(index, c, grads)
+        if deferred is not None:
+            deferred.run()
+
+    def _capturing(self, k: int, block: int, contributions: list[Tensor | None], backward: Callable[[], _T]) -> _T:
+        """``backward()`` of ``block``; with a copy of a parameter tied to an earlier stage's in it, that copy's
+        ``.grad`` is the block's contribution alone, taken into ``contributions`` (the copy keeps no gradient)."""
+        tensors = self.ties.captured(k, block) if self.ties is not None else []
+        if not tensors:
+            return backward()
+        kept = [t.grad for t in tensors]  # None in a stage process; the owner's, when stages share a module
+        for t in tensors:
+            t.grad = None
+        try:
+            return backward()
+        finally:
+            contributions.extend(t.grad for t in tensors)
+            for t, grad in zip(tensors, kept):
+                t.grad = grad
+
+    def _block_backward(self, outputs: Any, grads: Sequence[Tensor | None], inputs: Any,
+                        architecture: Architecture, block: int,
+                        deferred: DeferredWeights | None) -> tuple[Tensor | None, ...]:
+        if deferred is None:
+            backward_through(outputs, grads)
+            return leaf_grads(inputs)
+        supernet = self.module.supernet
+        params: list[Tensor] = [p for r in sorted(supernet.resources((block,), architecture))
+                                for p in supernet.resource_state(r).params]
+        if self.ties is not None:  # a tied copy's contribution is sent before the weight passes: one pass for it
+            params = self.ties.ties.owned(self.stage, params)
+        return deferred.backward(outputs, grads, inputs, params)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,263 @@
+"""Choice primitives, usable at any depth inside a supernet block.
+
+A :class:`ChoiceBlock` runs the candidate that the *active* subnet chooses for its label. The
+active architecture is set by :meth:`Supernet.run_block <.supernet.Supernet.run_block>` around
+each block's forward, so a ChoiceBlock may sit directly in the supernet's block list, inside a
+fixed block (one transformer layer with a choice of attention and a choice of MLP), or inside
+another choice's candidate. :class:`InputChoice` picks ``k`` of ``n`` inputs (DARTS-style cells,
+NNI's ``InputChoice``); :class:`When` runs its body only for some choices of a label.
+
+The resource walk (:func:`scope_of`) cuts a block's module tree at these primitives: every
+*scope* (a block's fixed part, or one candidate's) owns the parameters and buffers reachable
+from it without crossing into another choice. A subnet uses the scopes its choices reach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Union
+
+from torch import nn
+
+from lightning_naspipe.errors import NASPipeConfigError
+
+Architecture = dict[str, int]
+
+_ACTIVE: ContextVar[Mapping[str, int] | None] = ContextVar("naspipe_active_architecture", default=None)
+
+
+@contextlib.contextmanager
+def active_architecture(architecture: Mapping[str, int]) -> Iterator[None]:
+    """Within the body, choice primitives follow ``architecture``."""
+    token = _ACTIVE.set(architecture)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+class ChoiceBlock(nn.Module):
+    """A block whose op is chosen per subnet among ``candidates``.
+
+    Call it like the op it stands for; it runs the candidate the active subnet chooses. It may
+    be a block of the :class:`~.supernet.Supernet`, or nested anywhere inside a block or inside
+    another ChoiceBlock's candidate.
+
+    Args:
+        candidates: a non-empty list of modules, or a dict mapping names to modules (the
+            candidate index is then the position in the dict's order).
+        label: blocks sharing a label share one decision. Defaults to a label unique to this
+            block (``"block{i}"`` by its position in the supernet, ``"block{i}.{path}"`` nested).
+    """
+
+    def __init__(
+        self,
+        candidates: Union[Sequence[nn.Module], Mapping[str, nn.Module]],
+        label: str | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(candidates, Mapping):
+            names, modules = [str(n) for n in candidates.keys()], list(candidates.values())
+        elif isinstance(candidates, Sequence) and not isinstance(candidates, (str, bytes)):
+            modules = list(candidates)
+            names = [str(i) for i in range(len(modules))]
+        else:
+            raise NASPipeConfigError(
+                f"ChoiceBlock candidates must be a list or dict of nn.Module, got {type(candidates).__name__}."
+            )
+        if not modules:
+            raise NASPipeConfigError(
+                "ChoiceBlock got no candidates: pass at least one nn.Module, e.g. ChoiceBlock([nn.Identity()])."
+            )
+        for name, module in zip(names, modules):
+            if not isinstance(module, nn.Module):
+                raise NASPipeConfigError(
+                    f"ChoiceBlock candidate {name!r} is a {type(module).__name__}, not an nn.Module."
+                )
+        if label is not None and not isinstance(label, str):
+            raise NASPipeConfigError(f"ChoiceBlock label must be a str, got {type(label).__name__}.")
+        self.candidate_names = names
+        self.candidates = nn.ModuleList(modules)
+        self.label = label
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def chosen_index(self) -> int:
+        """The active subnet's choice for this block's label."""
+        return _active_choice(self.label, type(self).__name__)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.candidates[self.chosen_index()](*args, **kwargs)
+
+
+class InputChoice(ChoiceBlock):
+    """Chooses ``chosen`` of ``candidates`` inputs (like NNI's ``InputChoice``).
+
+    Its label takes ``comb(candidates, chosen)`` values, one per subset in
+    ``itertools.combinations`` order. Called on a sequence of ``candidates`` values, it returns
+    the chosen ones as a tuple, in input order; :meth:`chosen_inputs` gives their indices.
+
+    Args:
+        candidates: how many inputs there are to choose from (n).
+        chosen: how many of them a subnet uses (k), ``1 <= k <= n``.
+        label: as for :class:`ChoiceBlock`.
+    """
+
+    def __init__(self, candidates: int, chosen: int = 1, label: str | None = None) -> None:
+        if not isinstance(candidates, int) or not isinstance(chosen, int) or not 1 <= chosen <= candidates:
+            raise NASPipeConfigError(
+                f"InputChoice({candidates!r}, chosen={chosen!r}) needs whole numbers 1 <= chosen <= candidates."
+            )
+        self.subsets = list(itertools.combinations(range(candidates), chosen))
+        super().__init__([_Pick(subset) for subset in self.subsets], label)
+        self.candidate_names = ["+".join(map(str, subset)) for subset in self.subsets]
+        self.num_inputs = candidates
+
+    def chosen_inputs(self) -> tuple[int, ...]:
+        """Indices of the inputs the active subnet uses."""
+        return self.subsets[self.chosen_index()]
+
+    def subsets_with(self, index: int) -> frozenset[int]:
+        """The label values under which input ``index`` is used."""
+        return frozenset(k for k, subset in enumerate(self.subsets) if index in subset)
+
+
+class When(nn.Module):
+    """Runs ``body`` only when the active subnet's choice for ``label`` is in ``values``.
+
+    It marks conditional work (e.g. a DARTS edge whose input the node did not choose): the
+    scheduler then counts ``body``'s parameters only for subnets that run it. Calling it when
+    inactive returns ``None``.
+
+    Args:
+        body: the conditional module.
+        label: the label whose choice decides.
+        values: the choices of ``label`` under which ``body`` runs.
+    """
+
+    def __init__(self, body: nn.Module, label: str, values: frozenset[int]) -> None:
+        super().__init__()
+        self.body = body
+        self.label = label
+        self.values = frozenset(values)
+
+    def is_active(self) -> bool:
+        """Whether the active subnet runs ``body``."""
+        return _active_choice(self.label, "When") in self.values
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.body(*args, **kwargs) if self.is_active() else None
+
+
+class _Pick(nn.Module):
+    """One candidate of an :class:`InputChoice`: selects a fixed subset of its inputs."""
+
+    def __init__(self, subset: tuple[int, ...]) -> None:
+        super().__init__()
+        self.subset = subset
+
+    def forward(self, inputs: Sequence[object]) -> tuple[object, ...]:
+        return tuple(inputs[i] for i in self.subset)
+
+
+def _active_choice(label: str | None, what: str) -> int:
+    architecture = _ACTIVE.get()
+    if architecture is None or label is None or label not in architecture:
+        raise RuntimeError(
+            f"A {what} (label {label!r}) runs the active subnet's choice, but none is active: run blocks through "
+            "Supernet.forward(x, architecture) or Supernet.run_block, or wrap the call in "
+            "lightning_naspipe.space.choice.active_architecture(architecture)."
+        )
+    return int(architecture[label])
+
+
+# -- the resource walk -------------------------------------------------------------------------
+
+
+@dataclass
+class Scope:
+    """A module subtree up to the next choice: what it owns, and the choices below it.
+
+    Attributes:
+        path: where it is: ``(block, -1)`` for a fixed block, ``(block, k)`` for candidate ``k``
+            of a top-level choice; a nested scope appends ``(j, k)`` for candidate ``k`` of its
+            parent's ``j``-th choice (``k == -1``: the body of a :class:`When`).
+        params: the trainable and frozen parameters it owns, each once.
+        buffers: ``(module, name)`` of every buffer slot it owns.
+        choices: per nested choice: its label, the choice values that activate each child scope,
+            and the child scopes.
+    """
+
+    path: tuple[int, ...]
+    params: list[nn.Parameter] = field(default_factory=list)
+    buffers: list[tuple[nn.Module, str]] = field(default_factory=list)
+    choices: list[tuple[str, list[frozenset[int]], list[Scope]]] = field(default_factory=list)
+
+    def tensor_ids(self) -> set[int]:
+        """Identity of every tensor this scope owns."""
+        return {id(p) for p in self.params} | {id(m._buffers[n]) for m, n in self.buffers}
+
+    def walk(self) -> Iterator[Scope]:
+        """This scope and every scope below it."""
+        yield self
+        for _, _, children in self.choices:
+            for child in children:
+                yield from child.walk()
+
+    def active(self, architecture: Mapping[str, int]) -> Iterator[Scope]:
+        """This scope and the scopes below it that ``architecture`` reaches."""
+        yield self
+        for label, values, children in self.choices:
+            choice = architecture[label]
+            for when, child in zip(values, children):
+                if choice in when:
+                    yield from child.active(architecture)
+
+
+def block_scope(index: int, block: nn.Module) -> Scope:
+    """The scope tree of supernet block ``index``: rooted at ``(index, -1)`` for a fixed block; a
+    top-level choice has an empty root ``(index,)`` whose candidates are ``(index, k)``."""
+    if isinstance(block, (ChoiceBlock, When)):
+        root = Scope((index,))
+        _add_choice(root, block, lambda k: (index, k))
+        return root
+    return scope_of(block, (index, -1))
+
+
+def scope_of(module: nn.Module, path: tuple[int, ...]) -> Scope:
+    """The scope tree of ``module`` (see :class:`Scope`)."""
+    scope = Scope(path)
+    if isinstance(module, (ChoiceBlock, When)):  # a choice directly inside a choice
+        _add_choice(scope, module, lambda k: (*path, 0, k))
+    else:
+        _fill(scope, module, set())
+    return scope
+
+
+def _add_choice(scope: Scope, choice: ChoiceBlock | When, path_of: Callable[[int], tuple[int, ...]]) -> None:
+    assert choice.label is not None, "labels are assigned when the Supernet is built"
+    if isinstance(choice, When):
+        scope.choices.append((choice.label, [choice.values], [scope_of(choice.body, path_of(-1))]))
+    else:
+        children = [scope_of(c, path_of(k)) for k, c in enumerate(choice.candidates)]
+        scope.choices.append((choice.label, [frozenset([k]) for k in range(len(choice))], children))
+
+
+def _fill(scope: Scope, module: nn.Module, seen: set[int]) -> None:
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    scope.params += [p for p in module.parameters(recurse=False) if all(p is not q for q in scope.params)]
+    scope.buffers += [(module, n) for n, b in module._buffers.items() if b is not None]
+    for child in module.children():
+        if isinstance(child, (ChoiceBlock, When)):
+            j = len(scope.choices)
+            _add_choice(scope, child, lambda k, j=j: (*scope.path, j, k))  # type: ignore[misc]
+        else:
+            _fill(scope, child, seen)
+

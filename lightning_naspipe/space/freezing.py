@@ -1,0 +1,127 @@
+"""One architecture as a standalone module, and its BatchNorm statistics recomputed.
+
+:func:`freeze` copies what one architecture runs out of the supernet: every choice replaced by
+its chosen candidate, every :class:`~.choice.When` by its body or by nothing, so no unchosen
+weight is copied and no active architecture is needed to run it. Weights tied inside the
+architecture stay tied. The result is an ``nn.Sequential`` of the blocks, which passes each
+block's output to the next exactly as :meth:`Supernet.forward <.supernet.Supernet.forward>` does,
+so its output equals the supernet's for that architecture bitwise.
+
+:func:`recalibrate_batchnorm` gives a candidate the statistics it would have had alone: the
+supernet's running statistics mix every subnet that trained through a BatchNorm.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_naspipe.space.choice import ChoiceBlock, When
+
+if TYPE_CHECKING:
+    from lightning_naspipe.space.supernet import Supernet
+
+
+class Inactive(nn.Module):
+    """What a :class:`~.choice.When` becomes when the frozen architecture does not run its body."""
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def freeze(supernet: Supernet, architecture: Mapping[str, int], reinitialize: bool = False) -> nn.Sequential:
+    """See :meth:`Supernet.freeze <.supernet.Supernet.freeze>`."""
+    architecture = supernet.validate(architecture)
+    if supernet.local_blocks is not None:
+        raise RuntimeError(
+            f"This process holds current weights for pipeline stage blocks {supernet.local_blocks.start}.."
+            f"{supernet.local_blocks.stop - 1} only (inside fit); freeze after fit, when every stage holds all "
+            "weights."
+        )
+    unchosen: list[nn.Module] = []
+    for block in supernet.blocks:
+        _collect_unchosen(block, architecture, unchosen)
+    # deepcopy's memo maps an object's id to its copy: the unchosen parts are never copied.
+    memo: dict[int, Any] = {id(module): Inactive() for module in unchosen}
+    blocks = copy.deepcopy(supernet.blocks, memo)
+    frozen = nn.Sequential(*[_resolve(block, architecture) for block in blocks])
+    setattr(frozen, "architecture", architecture)  # a plain attribute, read by save_subnet
+    if reinitialize:
+        for module in frozen.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return frozen.train(supernet.training)
+
+
+def _is_active(when: When, architecture: Mapping[str, int]) -> bool:
+    return architecture[when.label] in when.values
+
+
+def _collect_unchosen(module: nn.Module, architecture: Mapping[str, int], out: list[nn.Module]) -> None:
+    if isinstance(module, ChoiceBlock):
+        assert module.label is not None, "labels are set by the Supernet"
+        chosen = architecture[module.label]
+        out += [c for i, c in enumerate(module.candidates) if i != chosen]
+        _collect_unchosen(module.candidates[chosen], architecture, out)
+    elif isinstance(module, When) and not _is_active(module, architecture):
+        out.append(module.body)
+    else:
+        for child in module.children():
+            _collect_unchosen(child, architecture, out)
+
+
+def _resolve(module: nn.Module, architecture: Mapping[str, int]) -> nn.Module:
+    """``module`` with its choices replaced, in place (children), or its replacement."""
+    if isinstance(module, ChoiceBlock):
+        assert module.label is not None
+        return _resolve(module.candidates[architecture[module.label]], architecture)
+    if isinstance(module, When):
+        return _resolve(module.body, architecture) if _is_active(module, architecture) else Inactive()
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            module._modules[name] = _resolve(child, architecture)
+    return module
+
+
+def recalibrate_batchnorm(module: nn.Module, batches: Iterable[Any],
+                          forward: Callable[[Any], object] | None = None) -> nn.Module:
+    """Recompute every BatchNorm's running statistics of ``module`` over ``batches``, in place.
+
+    The statistics become the cumulative mean over the batches (``momentum=None``), with every other
+    module in eval mode (so dropout does not change them); ``module`` keeps its train/eval mode, and
+    momentum is restored afterwards.
+
+    Args:
+        module: e.g. a :meth:`Supernet.freeze <.supernet.Supernet.freeze>` result.
+        batches: the calibration inputs; use the same batches for every candidate to compare them fairly.
+        forward: how to run one batch (default: ``module(batch)``).
+
+    Returns:
+        ``module``.
+    """
+    norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    if not norms:
+        return module
+    was_training = module.training
+    momenta = [m.momentum for m in norms]
+    module.eval()
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+        m.train()
+    run = forward if forward is not None else module
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                run(batch)
+    finally:
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+        module.train(was_training)
+    return module
