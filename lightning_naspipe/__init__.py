@@ -16,7 +16,8 @@ from lightning_naspipe.integration.cli import naspipe_cli
 from lightning_naspipe.searching.searchers import (EvolutionSearch, GridSearch, RandomSearch, Record, Searcher,
                                                     SPOSSearch)
 from lightning_naspipe.integration.strategy import NASPipeStrategy
-from lightning_naspipe.space.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.transport.p2p import StageFailure
 
 __all__ = ["Architecture", "Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch", "InputChoice", "NASPipeCallback",

@@ -20,7 +20,7 @@ from lightning_naspipe.transport import wire
 from lightning_naspipe.pipeline.engine import Engine, EngineModule
 from lightning_naspipe.pipeline.executor import Window
 from lightning_naspipe.pipeline.offload.offload import Offloader
-from lightning_naspipe.pipeline.schedule import NORMS, Schedule
+from lightning_naspipe.pipeline.actions import NORMS, Schedule
 
 
 class _World:

@@ -274,7 +274,8 @@ def test_the_async_baseline_sends_norm_messages_in_the_order_it_runs_its_updates
     """``schedule="async"`` moves every update to the window's end: the links carry the norm messages there."""
     from lightning_naspipe.pipeline.engine import plan_window
     from lightning_naspipe.pipeline.executor import Window
-    from lightning_naspipe.pipeline.schedule import UPDATE, replay
+    from lightning_naspipe.pipeline.actions import UPDATE
+    from lightning_naspipe.pipeline.schedule_rules import replay
 
     supernet = ToyBody().supernet
     window = Window(0, [uniform_architecture(supernet.labels, 1, i) for i in range(6)], [[(None, 1.0)]] * 6)

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from lightning_naspipe.pipeline.actions import CostFn
 from lightning_naspipe.pipeline.engine import _exchange_cost
 from lightning_naspipe.pipeline.lookahead import StepPlan, plan_step
-from lightning_naspipe.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, build_schedule, check_schedule,
-                                                 replay)
+from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, Action, Schedule
+from lightning_naspipe.pipeline.schedule import build_schedule
+from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
 
 Res = list[list[frozenset[Hashable]]]
 

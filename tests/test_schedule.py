@@ -7,16 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.pipeline.schedule import (
-    BACKWARD,
-    FORWARD,
-    UPDATE,
-    Action,
-    Schedule,
-    build_schedule,
-    check_schedule,
-    replay,
-)
+from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.pipeline.schedule import build_schedule
+from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
 
 Res = list[list[frozenset[Hashable]]]
 _RANK = {UPDATE: 0, BACKWARD: 1, FORWARD: 2}

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from lightning_naspipe.transport.boundary import map_tensors, tensors_in
 
-from lightning_naspipe.pipeline.schedule import Action, Schedule, build_schedule
+from lightning_naspipe.pipeline.actions import Action, Schedule
+from lightning_naspipe.pipeline.schedule import build_schedule
 from lightning_naspipe.transport.shm_links import SharedMemoryLinks
 from lightning_naspipe.transport.p2p import P2PTransport, StageFailure
 from helpers import spawn_gloo_pair

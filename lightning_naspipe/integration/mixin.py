@@ -20,7 +20,8 @@ from lightning_naspipe.pipeline.executor import Window, loss_context
 from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses
 from lightning_naspipe.namespaces import installed, namespace_of
 from lightning_naspipe.pipeline.sampling import EVAL_DOMAIN, mix, uniform_architecture
-from lightning_naspipe.space.supernet import Architecture, Supernet, supernet_of
+from lightning_naspipe.space.choice import Architecture
+from lightning_naspipe.space.supernet import Supernet, supernet_of
 
 if TYPE_CHECKING:
     from lightning_naspipe.pipeline.engine import EngineModule

@@ -28,17 +28,8 @@ from lightning_naspipe.pipeline.microbatch import split_batch
 from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
-from lightning_naspipe.pipeline.schedule import (
-    BACKWARD,
-    FORWARD,
-    SCHEDULES,
-    UPDATE,
-    Action,
-    Schedule,
-    build_schedule,
-    scheduling_resources,
-    with_ties,
-)
+from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule, with_ties
+from lightning_naspipe.pipeline.schedule import SCHEDULES, build_schedule, scheduling_resources
 from lightning_naspipe.space.supernet import Resource, Supernet
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
 from lightning_naspipe.pipeline.ties import TieRoutes, ties_of

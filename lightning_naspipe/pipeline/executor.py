@@ -20,8 +20,9 @@ from torch import Tensor
 from lightning_naspipe.transport.boundary import backward_through, cut, device_of, leaf_grads
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import keyed_rng
-from lightning_naspipe.pipeline.schedule import BACKWARD, FORWARD, UPDATE, Action, Schedule
-from lightning_naspipe.space.supernet import Architecture, Supernet
+from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.space.choice import Architecture
+from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
 from lightning_naspipe.pipeline.ties import TieRoutes
 from lightning_naspipe.pipeline.weight_grads import DeferredWeights

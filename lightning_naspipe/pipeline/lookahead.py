@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from lightning_naspipe.pipeline.actions import CostFn
-from lightning_naspipe.pipeline.schedule import FORWARD, Action, Schedule, build_schedule
+from lightning_naspipe.pipeline.actions import FORWARD, Action, Schedule
+from lightning_naspipe.pipeline.schedule import build_schedule
 
 __all__ = ["StepPlan", "plan_step"]
 

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.space.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.space.supernet import Supernet
 
 
 def block_weights(supernet: Supernet) -> list[float]:

@@ -46,23 +46,17 @@ from types import MappingProxyType
 from lightning_naspipe.pipeline.actions import (
     BACKWARD,
     FORWARD,
-    NORMS,
     UPDATE,
     Action,
     CostFn,
-    DeadlockError,
     Resources,
     Schedule,
     ScheduleError,
-    Ties,
     check_int,
     validated,
-    with_ties,
 )
-from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
 
-__all__ = ["BACKWARD", "FORWARD", "NORMS", "SCHEDULES", "UPDATE", "Action", "DeadlockError", "Schedule",
-           "ScheduleError", "Ties", "build_schedule", "check_schedule", "replay", "scheduling_resources", "with_ties"]
+__all__ = ["SCHEDULES", "build_schedule", "scheduling_resources"]
 
 # Heap rank of each kind: lower runs first (updates unblock CSP waiters, backward frees memory).
 _U, _B, _F = 0, 1, 2

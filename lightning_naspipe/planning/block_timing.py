@@ -18,7 +18,8 @@ from lightning_naspipe.transport.boundary import map_tensors
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning.block_cost import BlockFailure, time_paths
 from lightning_naspipe.planning.space_spec import block_cost_ms
-from lightning_naspipe.space.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.space.supernet import Supernet
 
 
 def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int = 4, repeats: int = 2,

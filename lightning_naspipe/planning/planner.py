@@ -20,22 +20,13 @@ from typing import Any
 from lightning_naspipe.pipeline.lookahead import plan_step
 from lightning_naspipe.pipeline.partition import balanced_split
 from lightning_naspipe.pipeline.sampling import uniform_architecture
-from lightning_naspipe.pipeline.schedule import (
-    BACKWARD,
-    FORWARD,
-    SCHEDULES,
-    UPDATE,
-    Action,
-    Schedule,
-    build_schedule,
-    scheduling_resources,
-)
+from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.pipeline.schedule import SCHEDULES, build_schedule, scheduling_resources
 from lightning_naspipe.planning.deferral import deferring, passes
 from lightning_naspipe.planning.stalls import CAUSES, SEND, analyse_stage
-from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
+from lightning_naspipe.planning.space_spec import SpaceSpec
 
-__all__ = ["CAUSES", "TICKS_PER_MS", "BlockSpec", "CandidateSpec", "Prediction", "SpaceSpec", "plan", "simulate",
-           "table", "wide_spec"]
+__all__ = ["TICKS_PER_MS", "Prediction", "plan", "simulate", "table"]
 
 #: Simulation clock: 1 tick = 10 µs; every action lasts at least one tick.
 TICKS_PER_MS = 100

@@ -29,7 +29,8 @@ from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.planning.block_cost import holds_state, time_paths
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
 from lightning_naspipe.pipeline.sampling import uniform_architecture
-from lightning_naspipe.space.supernet import ChoiceBlock, Supernet
+from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.space.supernet import Supernet
 
 __all__ = ["profile_supernet"]
 

@@ -23,7 +23,7 @@ from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Scope, Whe
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.freezing import freeze
 
-__all__ = ["Architecture", "ChoiceBlock", "Resource", "ResourceState", "Supernet"]
+__all__ = ["Resource", "ResourceState", "Supernet"]
 
 #: A resource's key: the path of its first scope, e.g. ``(block, candidate)``; candidate ``-1``
 #: for a fixed block, longer paths for nested choices (see :class:`~.choice.Scope`).
