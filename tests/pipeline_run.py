@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--num-stages", type=int, default=None, help="NASPipeStrategy(num_stages=...)")
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--resume", default=None)
@@ -113,7 +114,8 @@ def main() -> None:
     if args.exception_checkpoint or args.every_n_steps:
         logging["enable_checkpointing"] = True
     trainer = pl.Trainer(**trainer_kwargs(
-        strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, offload=args.offload,
+        strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, num_stages=args.num_stages,
+                                    offload=args.offload,
                                     schedule=args.schedule, timeout=args.timeout, transport=args.transport,
                                     rebalance_every=1 if args.force_rebalance else 16),
         devices=args.devices,

@@ -20,7 +20,8 @@ class _UnreachableStore:
 
 def _boards(store: object, stages: list[int]) -> list[FailureBoard]:
     # Each process builds its n-th board for the same run; in one process, build them by hand alike.
-    boards = [FailureBoard(store, rank, stages) for rank in range(len(stages))]
+    names = [f"stage {stage} (rank {rank})" for rank, stage in enumerate(stages)]
+    boards = [FailureBoard(store, rank, names) for rank in range(len(stages))]
     for board in boards[1:]:
         board._key = boards[0]._key
     return boards
@@ -41,10 +42,10 @@ def test_no_post_means_no_cause_after_the_wait_and_an_unreachable_store_is_no_er
     start = time.monotonic()
     assert board.causes(wait_s=0.2) == []
     assert 0.2 <= time.monotonic() - start < 2
-    gone = FailureBoard(_UnreachableStore(), 1, [0, 1])
+    gone = FailureBoard(_UnreachableStore(), 1, ["stage 0 (rank 0)", "stage 1 (rank 1)"])
     gone.post(ValueError("boom"))
     assert gone.causes(wait_s=0) == []
-    assert FailureBoard(None, 0, [0, 1]).causes() == []
+    assert FailureBoard(None, 0, ["stage 0 (rank 0)", "stage 1 (rank 1)"]).causes() == []
 
 
 def test_boards_of_a_later_run_do_not_see_an_earlier_runs_posts() -> None:

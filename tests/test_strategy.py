@@ -55,9 +55,9 @@ def test_registration_is_idempotent() -> None:
     assert StrategyRegistry["naspipe"]["strategy"] is PytorchLightningNASPipeStrategy
 
 
-def test_more_than_one_device_is_refused_clearly() -> None:
+def test_more_stages_than_processes_are_refused_clearly() -> None:
     trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(num_stages=2), max_steps=1))
-    with pytest.raises(lnp.NASPipeConfigError, match="one process per stage"):
+    with pytest.raises(lnp.NASPipeConfigError, match=r"num_stages must divide 1; use one of \[1\]"):
         trainer.fit(ToyNet(), toy_loader())
 
 

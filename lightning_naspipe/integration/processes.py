@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_naspipe.integration.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
+from lightning_naspipe.pipeline.layout import Layout
 from lightning_naspipe.transport.p2p import StageFailure
 
 TBroadcast = TypeVar("TBroadcast")
@@ -53,12 +54,13 @@ class StageProcesses(_StrategyBase):
 
     A mixin for a namespace's ``ParallelStrategy`` (see :mod:`.namespaces`): the launchers and the
     fabric's process-group helpers come from ``_namespace``, so one namespace is never mixed with
-    the other's. Subclasses set ``num_stages``, ``timeout``, ``_process_group_backend``,
+    the other's. Subclasses set ``num_stages``, ``chunks``, ``timeout``, ``_process_group_backend``,
     ``_start_method`` and ``_num_nodes`` in their ``__init__``.
     """
 
     _namespace: Namespace | None
     num_stages: int | None
+    chunks: int
     timeout: timedelta
     _process_group_backend: str | None
     _start_method: Literal["popen", "spawn", "fork", "forkserver"]
@@ -104,9 +106,19 @@ class StageProcesses(_StrategyBase):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def layout(self) -> Layout:
+        """Stages x replicas of this run (:class:`.Layout`; ranks stage-major)."""
+        return Layout.of(self.world_size, self.num_stages)
+
+    @property
     def stage(self) -> int:
-        """This process's pipeline stage (its global rank)."""
-        return self.global_rank
+        """This process's pipeline stage."""
+        return self.layout.stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        """Which data-parallel replica of its stage this process is (0 with one replica per stage)."""
+        return self.layout.replica_of(self.global_rank)
 
     def _distributed(self) -> Any:
         assert self._namespace is not None, "bound by the Trainer"
@@ -136,12 +148,7 @@ class StageProcesses(_StrategyBase):
 
     @override
     def setup_environment(self) -> None:
-        stages = self.num_stages if self.num_stages is not None else self.world_size
-        if stages != self.world_size:
-            raise NASPipeConfigError(
-                f"NASPipeStrategy(num_stages={stages}) needs one process per stage, but the Trainer starts "
-                f"{self.world_size}; set devices x num_nodes = {stages}, or leave num_stages unset."
-            )
+        self.layout.check_chunks(self.chunks)  # raises for num_stages that do not divide the processes too
         super().setup_environment()  # the namespace's ParallelStrategy
         if self.local_rank > 0:
             exit_with_parent()

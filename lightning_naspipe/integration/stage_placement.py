@@ -65,14 +65,15 @@ class StagePlacement(NamespaceBinding):
         example = self.lightning_module.pipeline_input(batch)  # type: ignore[operator]
         weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast, self.root_device)
         self._split_costs = (weights, "ms")
-        self._move_to(stage_ranges(supernet, self.world_size, None, weights),
+        self._move_to(stage_ranges(supernet, self.layout.stages, None, weights),
                       "balanced by block time measured on the first batch")
 
     def _rebalance(self) -> None:
         """Move one block off the busiest stage if its measured busy time says it is clearly the
         bottleneck (collective; every rank decides alike from the same gathered times)."""
         assert self.engine is not None
-        busy = gather_objects(self.engine.busy_s, self.world_size)
+        by_rank = gather_objects(self.engine.busy_s, self.world_size)
+        busy = [max(by_rank[rank] for rank in self.layout.replica_ranks(s)) for s in range(self.layout.stages)]
         since = [b - a for a, b in zip(self._busy_before, busy)]
         self._busy_before = busy
         supernet = supernet_of(self.lightning_module)
@@ -90,7 +91,8 @@ class StagePlacement(NamespaceBinding):
         before = [len(r) for r in self.stage_ranges]
         supernet = supernet_of(self.lightning_module)
         move_blocks(supernet, self.optimizers[0] if self.optimizers else None, self.stage_ranges, ranges,
-                    self.stage, self.root_device, on_device=not self.offload)
+                    self.stage, self.root_device, on_device=not self.offload, ranks=self.layout.column(0),
+                    world_size=self.world_size)
         self.stage_ranges = self.engine.stage_blocks = ranges
         supernet.local_blocks = self.engine.blocks
         if self.offload:
@@ -138,6 +140,6 @@ class StagePlacement(NamespaceBinding):
 
     def sync_weights(self) -> None:
         """Give every rank the full, current weights (collective)."""
-        if self.world_size > 1:
+        if self.layout.stages > 1:
             supernet = supernet_of(self.lightning_module)
-            sync_stage_weights(list(supernet.blocks), self.stage_ranges, list(range(self.world_size)), self.root_device)
+            sync_stage_weights(list(supernet.blocks), self.stage_ranges, self.layout.column(0), self.root_device)

@@ -43,6 +43,7 @@ from lightning_naspipe.space.supernet import supernet_of
 from lightning_naspipe.integration.stage_placement import StagePlacement
 from lightning_naspipe.pipeline.telemetry import StageTelemetry, write_trace_files
 from lightning_naspipe.transport.p2p import P2PTransport
+from lightning_naspipe.transport.replica_links import ReplicaLinks, layout_groups
 
 
 # Lightning advises self.log(..., sync_dist=True) for epoch-level metrics of a distributed run. Every
@@ -72,8 +73,12 @@ class NASPipeStrategy(StagePlacement):
         chunks: micro-batches each subnet's batch is split into (along dim 0), pipelined through
             the stages. Results are exact for a fixed ``chunks``; another value changes the
             summation order.
-        num_stages: pipeline stages; must equal the number of processes (devices x nodes),
-            which is the default.
+        num_stages: pipeline stages; the processes (devices x nodes) run ``processes / num_stages``
+            data-parallel replicas of the pipeline (so it must divide them; default: one stage per process,
+            one replica). Ranks are stage-major: a stage's replicas are neighbouring ranks. Each replica trains
+            a contiguous share of every batch's ``chunks`` micro-batches (so ``chunks`` must be a multiple of
+            the replicas), and the replicas sum their gradients in micro-batch order: results never depend
+            on the layout.
         balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
             and backward time, measured on the module's ``supernet_example_input`` when it sets one,
             else on the first training batch (``pipeline_input`` of it, on the stage's device): the
@@ -211,30 +216,38 @@ class NASPipeStrategy(StagePlacement):
     def setup(self, trainer: Any) -> None:
         supernet = supernet_of(self.lightning_module)
         example = getattr(self.lightning_module, "supernet_example_input", None)
+        layout = self.layout
+        stages = layout.stages
         weights = None
-        if self.balance is None and example is not None and self.world_size > 1:
+        if self.balance is None and example is not None and stages > 1:
             weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast)
-        self.stage_ranges = stage_ranges(supernet, self.world_size, self.balance, weights)
+        self.stage_ranges = stage_ranges(supernet, stages, self.balance, weights)
         self._split_costs = (weights, "ms") if weights is not None else (block_weights(supernet), "params")
         self._stages_reported = False
         # Without a balance or an example input, the first real batch is timed (on_train_batch_start).
-        self._time_first_batch = self.balance is None and example is None and self.world_size > 1
-        self._windows, self._busy_before = 0, [0.0] * self.world_size
+        self._time_first_batch = self.balance is None and example is None and stages > 1
+        self._windows, self._busy_before = 0, [0.0] * stages
         telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
+        column_group, replica_group = layout_groups(layout, self.root_device) if layout.replicas > 1 else (None, None)
+        names = [layout.name(rank) for rank in range(layout.world_size)]
         transport = None
-        if self.world_size > 1:
-            transport = P2PTransport(self.stage, list(range(self.world_size)), self.root_device, self.timeout,
-                                     links=self.transport, spin_s=self.receive_spin_s)
+        if stages > 1:
+            transport = P2PTransport(self.stage, layout.column(self.replica), self.root_device, self.timeout,
+                                     links=self.transport, spin_s=self.receive_spin_s, group=column_group, names=names)
             transport.telemetry = telemetry
+        replicas = None
+        if layout.replicas > 1:
+            replicas = ReplicaLinks(self.replica, layout.replica_ranks(self.stage), names, replica_group,
+                                    self.root_device, self.timeout)
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload,
-                             defer_weight_grads=self.defer_weight_grads)
+                             defer_weight_grads=self.defer_weight_grads, replicas=replicas)
         self._loader: WindowLoader | None = None
         self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
-        if self.world_size > 1:
+        if stages > 1:
             supernet.local_blocks = self.engine.blocks
         super().setup(trainer)
-        self._whole = not (trainer.training and self.world_size > 1)
+        self._whole = not (trainer.training and stages > 1)
         if self.optimizers and not self._whole:
             drop_foreign_state(self.optimizers[0], self._owned())
         if self.offload:
@@ -242,7 +255,7 @@ class NASPipeStrategy(StagePlacement):
         count_subnets(trainer.progress_bar_callback, self.data_tracker)
         if trainer.training:
             call_per_subnet_batch(self.lightning_module, self.data_tracker)
-        if self.world_size > 1 and trainer.training and not any(isinstance(c, StageWeightsSync)
+        if stages > 1 and trainer.training and not any(isinstance(c, StageWeightsSync)
                                                                 for c in trainer.callbacks):
             trainer.callbacks.insert(0, StageWeightsSync())
         if self.world_size > 1:
@@ -272,7 +285,7 @@ class NASPipeStrategy(StagePlacement):
             self._time_first_batch = False
             self._balance_by_time(batch[0])
         self._windows += 1
-        if self.rebalance_every and self.world_size > 1 and self._windows % self.rebalance_every == 0:
+        if self.rebalance_every and self.layout.stages > 1 and self._windows % self.rebalance_every == 0:
             self._rebalance()
 
     def upcoming_batches(self, first_index: int) -> list[Any] | None:
@@ -280,7 +293,7 @@ class NASPipeStrategy(StagePlacement):
         Lightning already fetched to train next in this epoch; ``None`` where lookahead cannot be used."""
         trainer = self._trainer()
         upcoming = self._loader.handed_out.get(first_index) if self._loader is not None else None
-        if (upcoming is None or self.engine is None or not self.engine.lookahead or self.world_size == 1
+        if (upcoming is None or self.engine is None or not self.engine.lookahead or self.layout.stages == 1
                 or (self.rebalance_every and (self._windows + 1) % self.rebalance_every == 0)):  # blocks move first
             return None
         if trainer.max_steps >= 0:
@@ -301,7 +314,7 @@ class NASPipeStrategy(StagePlacement):
         if self.trace_dir is not None:
             self._write_trace()
         self.sync_weights()
-        if self.world_size > 1 and self.optimizers:
+        if self.layout.stages > 1 and self.optimizers:
             # Every rank holds the whole optimizer state too, so that a later validate/test/predict (which
             # splits the blocks anew, by parameters) loses none of a block the timed split had moved.
             inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
@@ -318,6 +331,8 @@ class NASPipeStrategy(StagePlacement):
         if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
             self.engine.transport.close()
             self.engine.transport = None
+        if self.engine is not None:
+            self.engine.close()
         supernet = getattr(self.lightning_module, "supernet", None)
         if supernet is not None:
             supernet.local_blocks = None
@@ -329,12 +344,16 @@ class NASPipeStrategy(StagePlacement):
 
     def stage_metrics(self) -> dict[str, float]:
         """Every stage's offload accounting and telemetry, keyed ``offload/<stat>_stage<k>`` and
-        ``telemetry/<stat>_stage<k>``; the same on every rank (collective when there is any)."""
+        ``telemetry/<stat>_stage<k>`` (``..._stage<k>_replica<r>`` with several replicas); the same on every
+        rank (collective when there is any)."""
         mine = self.engine.metrics() if self.engine is not None else {}
         if not mine:  # offload and telemetry are off on every rank alike
             return {}
-        stages = gather_objects(mine, self.world_size)
-        return {f"{name}_stage{k}": value for k, stats in enumerate(stages) for name, value in stats.items()}
+        layout = self.layout
+        suffix = [f"_stage{layout.stage_of(rank)}" + (f"_replica{layout.replica_of(rank)}" if layout.replicas > 1
+                                                      else "") for rank in range(layout.world_size)]
+        ranks = gather_objects(mine, self.world_size)
+        return {f"{name}{suffix[rank]}": value for rank, stats in enumerate(ranks) for name, value in stats.items()}
 
     def window_trained(self) -> None:
         """A window was trained (every stage): a checkpoint inside the epoch resumes from here."""
@@ -346,7 +365,8 @@ class NASPipeStrategy(StagePlacement):
             return
         self._stages_reported = True
         transport = self.engine.transport if self.engine is not None else None
-        sends = gather_objects(getattr(transport, "first_activation", None), self.world_size)
+        sent = gather_objects(getattr(transport, "first_activation", None), self.world_size)
+        sends = [sent[rank] for rank in self.layout.column(0)]
         if self.is_global_zero:
             costs, unit = self._split_costs
             table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends)

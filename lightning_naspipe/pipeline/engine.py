@@ -26,6 +26,7 @@ from lightning_naspipe.pipeline.grad_norm import NormExchange
 from lightning_naspipe.pipeline.lookahead import plan_step
 from lightning_naspipe.pipeline.microbatch import split_batch
 from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
+from lightning_naspipe.pipeline.replicas import ReplicaGroup, ReplicaUpdates, ordered_sum
 from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule, with_ties
@@ -152,8 +153,11 @@ class Engine:
     Args:
         stage_blocks: the block indices of every stage, in stage order (contiguous ranges).
         stage: which of them this process runs.
-        chunks: micro-batches per subnet.
+        chunks: micro-batches per subnet (all replicas together).
         transport: moves tensors between stages; ``None`` with one stage.
+        replicas: the data-parallel replicas of this stage (see :mod:`.replicas`), ``None`` with one: each
+            trains its contiguous share of every subnet's ``chunks`` micro-batches, and the updates sum their
+            gradients in micro-batch order, so results never depend on their number.
         schedule: one of :data:`SCHEDULES` (see :func:`scheduling_resources`).
         offloader: keeps this stage's resources in host memory between uses (``offload=True``).
         memory_budget: ``(bytes, per-stage resource sizes)``: schedule so that each stage's in-flight
@@ -183,9 +187,13 @@ class Engine:
         lookahead: bool = False,
         defer_weight_grads: bool | None = None,
         clip_norms: bool | None = None,
+        replicas: ReplicaGroup | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        count = replicas.replicas if replicas is not None else 1
+        if chunks % count:
+            raise ValueError(f"chunks={chunks} is not a multiple of the {count} replicas")
         self.stage_blocks = list(stage_blocks)
         self.stage = stage
         self.chunks = chunks
@@ -212,6 +220,17 @@ class Engine:
         self.after_update: Callable[[int], None] | None = None
         self.clip_norms = clip_norms
         self._clipping: UpdateClipping | None = None
+        self.replicas = replicas
+        #: The micro-batches of each subnet this replica trains.
+        self.chunk_share = range(chunks) if replicas is None else range(
+            replicas.replica * chunks // count, (replicas.replica + 1) * chunks // count)
+        self._replica_updates: ReplicaUpdates | None = None
+
+    def close(self) -> None:
+        """Release what the engine attached to the module (the replicas' BatchNorm hooks)."""
+        if self._replica_updates is not None:
+            self._replica_updates.close()
+            self._replica_updates = None
 
     @property
     def blocks(self) -> range:
@@ -250,8 +269,8 @@ class Engine:
                        and self.offloader is None and self.memory_budget is None)
         following = self._window(module, upcoming, first_index + len(batches)) if upcoming and looks_ahead else None
         norms = len(self.stage_blocks) > 1 and (clips_by_norm(module) if self.clip_norms is None else self.clip_norms)
-        return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule, self.chunks,
-                                                   self.memory_budget, following, done, norms))
+        return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule,
+                                                   len(self.chunk_share), self.memory_budget, following, done, norms))
 
     def drop_lookahead(self) -> None:
         """Forget the forwards run ahead for a next window that did not come (e.g. the epoch ended)."""
@@ -261,6 +280,8 @@ class Engine:
         self._ahead = None
         for key in [key for key in self._stash if key[0] >= first]:
             del self._stash[key]
+        if self._replica_updates is not None:
+            self._replica_updates.drop_from(first)
         if self.transport is not None:
             self.transport.drop_from(first)
 
@@ -276,7 +297,11 @@ class Engine:
         defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
         ties = ties_of(module.supernet, self.stage_blocks)
         routes = ties.routes(self.stage, plan.resources) if ties is not None else None
-        executor = self._executor(module, self.telemetry, defer, routes)
+        updates = self._updates(module)
+        if updates is not None:
+            updates.params.update({window.first_index + k: self._update_params(module, resources[k])
+                                   for k in range(len(window.architectures))})
+        executor = self._executor(module, self.telemetry, defer, routes, updates)
         self.windows_deferred += defer
         residency = None
         if self.offloader is not None:
@@ -301,22 +326,42 @@ class Engine:
         if residency is not None:
             residency.finish()
         own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size])
-        own.losses, own.records = window.losses[:plan.size], window.records
+        own.records = self._window_losses(window, plan.size)
+        own.losses = window.losses[:plan.size]
         if plan.size < len(window.architectures):
             following = Window(window.first_index + plan.size, window.architectures[plan.size:],
                                window.pieces[plan.size:])
             self._ahead = (following, plan.carried)
             self.forwards_ahead += sum(s == self.stage for s, _ in plan.carried)
-        if self.transport is not None:
-            self.transport.end_window()
-            flags = self.signals.flags() if self.signals is not None else ()
-            losses, agreed, own.records = self.transport.share_window_end(own.losses, flags, own.records)
-            own.losses = list(losses)
+        if self.transport is not None or self.replicas is not None:
+            agreed = list(self.signals.flags()) if self.signals is not None else []
+            if self.transport is not None:
+                self.transport.end_window()
+                losses, agreed, own.records = self.transport.share_window_end(own.losses, agreed, own.records)
+                own.losses = list(losses)
+            if self.replicas is not None:  # the columns agree too: a flag set in any of them
+                agreed = [max(flags) for flags in zip(*self.replicas.gather(agreed))]
             if self.signals is not None:
                 self.signals.agreed(agreed)
         if self.telemetry is not None:
             self.telemetry.end_window()
         return own
+
+    def _window_losses(self, window: Window, size: int) -> list[Any]:
+        """On the last stage, fill ``window.losses`` of its first ``size`` subnets from every replica's
+        micro-batch losses, summed in micro-batch order; return the records of what their ``compute_loss``
+        logged, each subnet's in micro-batch order."""
+        if self.stage != len(self.stage_blocks) - 1:
+            return window.records
+        chunk_losses, records = window.chunk_losses, window.records
+        if self.replicas is not None:
+            share = self.chunk_share
+            parts = self.replicas.gather(([losses[share.start:share.stop] for losses in chunk_losses[:size]],
+                                          [r for r in records if r[0] < window.first_index + size]))
+            chunk_losses = [[loss for losses, _ in parts for loss in losses[k]] for k in range(size)]
+            records = [r for _, kept in parts for r in kept]  # replica order is micro-batch order
+        window.losses[:size] = [ordered_sum(losses) for losses in chunk_losses[:size]]
+        return records
 
     def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
         """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
@@ -350,18 +395,31 @@ class Engine:
         return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
 
     def _executor(self, module: EngineModule, telemetry: StageTelemetry | None, defer_weight_grads: bool = False,
-                  ties: TieRoutes | None = None) -> StageExecutor:
+                  ties: TieRoutes | None = None, updates: ReplicaUpdates | None = None) -> StageExecutor:
         return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
-                             self.transport, telemetry, self._stash, defer_weight_grads, ties)
+                             self.transport, telemetry, self._stash, defer_weight_grads, ties,
+                             self.chunk_share.start, updates)
 
-    def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
-        """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then
-        per-step schedulers."""
+    def _updates(self, module: EngineModule) -> ReplicaUpdates | None:
+        if self.replicas is not None and self._replica_updates is None:
+            self._replica_updates = ReplicaUpdates(self.replicas, module.supernet)
+        return self._replica_updates
+
+    def _update_params(self, module: EngineModule, resources: frozenset[Resource]) -> list[torch.Tensor]:
+        """The parameters an update of a subnet with ``resources`` on this stage steps."""
         supernet = module.supernet
         params = resource_parameters(supernet.resource_state(r) for r in sorted(resources))
         ties = ties_of(supernet, self.stage_blocks)
         if ties is not None:  # a resource tied across stages: this stage steps its own part only
             params = ties.owned(self.stage, params)
+        return params
+
+    def update(self, module: EngineModule, index: int, resources: frozenset[Resource]) -> None:
+        """Step the optimizer on the parameters of subnet ``index``'s ``resources`` on this stage, then
+        per-step schedulers."""
+        params = self._update_params(module, resources)
+        if self._replica_updates is not None:
+            self._replica_updates.reduce(index, self.chunk_share, params)
         optimizer = module.optimizers()
         assert not isinstance(optimizer, list)
         if self.offloader is not None:

@@ -21,6 +21,7 @@ from lightning_naspipe.transport.boundary import backward_through, cut, device_o
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import keyed_rng
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.pipeline.replicas import ReplicaUpdates
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
@@ -99,9 +100,11 @@ class Window:
     Attributes:
         first_index: global index (training step) of the window's first subnet.
         architectures: one architecture per subnet.
-        pieces: per subnet, its ``(micro-batch, weight)`` pairs.
-        losses: per subnet, its loss (the weighted sum of its micro-batch losses); filled on
-            the last stage only.
+        pieces: per subnet, its ``(micro-batch, weight)`` pairs (all of them, also where a replica
+            trains only its share).
+        losses: per subnet, its loss (the weighted sum of its micro-batch losses, in micro-batch
+            order); filled on the last stage only, from :attr:`chunk_losses`, when the window has run.
+        chunk_losses: per subnet, each micro-batch's weighted loss where this process computed it.
         records: what ``compute_loss`` recorded on the last stage (see :func:`loss_context`), in the
             order it ran; after :meth:`.Engine.run_window`, the last stage's on every stage.
     """
@@ -111,9 +114,11 @@ class Window:
     pieces: list[list[tuple[Any, float]]]
     losses: list[Tensor | None] = field(default_factory=list)
     records: list[Any] = field(default_factory=list)
+    chunk_losses: list[list[Tensor | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.losses = [None] * len(self.architectures)
+        self.chunk_losses = [[None] * len(pieces) for pieces in self.pieces]
 
 
 class StageExecutor:
@@ -133,6 +138,9 @@ class StageExecutor:
             (see :mod:`.weight_grads`); ignored on the first stage, which sends none.
         ties: how this stage moves the values and gradients of parameters tied across stages (:mod:`.ties`);
             ``None`` when no parameter spans stages.
+        chunk_offset: the first micro-batch this replica trains (:meth:`.Layout.chunk_share`): action chunk
+            ``c`` is micro-batch ``chunk_offset + c`` of the subnet's batch.
+        replicas: with several replicas per stage, this replica's part of their exact reduction.
     """
 
     def __init__(
@@ -147,6 +155,8 @@ class StageExecutor:
         stash: dict[tuple[int, int], list[tuple[Any, Any]]] | None = None,
         defer_weight_grads: bool = False,
         ties: TieRoutes | None = None,
+        chunk_offset: int = 0,
+        replicas: ReplicaUpdates | None = None,
     ) -> None:
         if num_stages > 1 and transport is None:
             raise ValueError("a multi-stage executor needs a transport")
@@ -163,6 +173,8 @@ class StageExecutor:
         self._stash = {} if stash is None else stash
         self.defer_weight_grads = defer_weight_grads and not self.is_first
         self.ties = ties
+        self.chunk_offset = chunk_offset
+        self.replicas = replicas
         #: Per backward, seconds from having its output gradients to sending its input gradients.
         self.seconds_to_send: list[float] = []
 
@@ -228,7 +240,15 @@ class StageExecutor:
             x = y
 
     def _forward(self, window: Window, k: int, c: int) -> None:
-        piece, weight = window.pieces[k][c]
+        index = window.first_index + k
+        if self.replicas is None:
+            self._forward_chunk(window, k, c)
+            return
+        with self.replicas.forward(index, self.chunk_offset + c):
+            self._forward_chunk(window, k, c)
+
+    def _forward_chunk(self, window: Window, k: int, c: int) -> None:
+        piece, weight = window.pieces[k][self.chunk_offset + c]
         index = window.first_index + k
         ties = self.ties if c == 0 else None  # tied values travel with a subnet's first activation
         passing: dict[int, Tensor] = {}
@@ -239,7 +259,7 @@ class StageExecutor:
             x = self.transport.recv_activation(index, c)
             if ties is not None:
                 x, passing = ties.take_values(k, x)
-        saved = list(self._run_blocks(x, window.architectures[k], index, c))
+        saved = list(self._run_blocks(x, window.architectures[k], index, self.chunk_offset + c))
         y = saved[-1][1]
         if self.is_last:
             token = _LOSS_CONTEXT.set((index, window.records))
@@ -251,8 +271,7 @@ class StageExecutor:
                 raise TypeError(f"compute_loss must return a scalar tensor, got {_describe(loss)}.")
             if len(window.pieces[k]) > 1:
                 loss = loss * weight
-            total = window.losses[k]
-            window.losses[k] = loss.detach() if total is None else total + loss.detach()
+            window.chunk_losses[k][self.chunk_offset + c] = loss.detach()
             saved[-1] = (saved[-1][0], loss)
         else:
             assert self.transport is not None
@@ -263,6 +282,13 @@ class StageExecutor:
         """Backward block by block, last to first: each block's outputs get the gradients its
         successor's input leaves collected (see :mod:`.boundary`). With :attr:`defer_weight_grads`,
         the weight gradients are computed after the input gradients are sent."""
+        if self.replicas is None:
+            self._backward_chunk(window, k, c)
+            return
+        with self.replicas.backward(window.first_index + k, self.chunk_offset + c):
+            self._backward_chunk(window, k, c)
+
+    def _backward_chunk(self, window: Window, k: int, c: int) -> None:
         index = window.first_index + k
         saved = self._stash.pop((index, c))
         deferred = DeferredWeights() if self.defer_weight_grads else None

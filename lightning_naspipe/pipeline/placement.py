@@ -51,7 +51,8 @@ def place_module(module: nn.Module, supernet: Supernet, own: Sequence[int] | Non
 
 
 def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[range], new: Sequence[range],
-                stage: int, device: torch.device, on_device: bool) -> list[int]:
+                stage: int, device: torch.device, on_device: bool, ranks: Sequence[int] | None = None,
+                world_size: int | None = None) -> list[int]:
     """Hand every block whose stage differs between ``old`` and ``new`` to its new owner (collective).
 
     Args:
@@ -63,6 +64,9 @@ def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[r
         device: this stage's compute device.
         on_device: whether this stage keeps its blocks on ``device`` (``False`` with offload, which
             keeps them in host memory).
+        ranks: the global rank that sends each stage's blocks (default: rank = stage); with data-parallel
+            replicas, replica 0 of each stage: every replica of the new stage receives.
+        world_size: all processes (default: one per stage).
 
     Returns:
         The moved blocks.
@@ -74,8 +78,9 @@ def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[r
     first = first_blocks(blocks)
     # Each tensor from its owner: a weight tied to an earlier block is current there, not on this block's stage.
     tensors = {id(t): t for i in moved for t in (*blocks[i].parameters(), *blocks[i].buffers())}
+    senders = list(ranks) if ranks is not None else list(range(len(new)))
     for tensor in tensors.values():
-        broadcast_tensors_([tensor], owner_of(old, first[id(tensor)]), device)
+        broadcast_tensors_([tensor], senders[owner_of(old, first[id(tensor)])], device)
     for i in moved:
         if owner_of(old, i) == stage:
             blocks[i].to("cpu")  # no longer this stage's: free the device
@@ -85,7 +90,7 @@ def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[r
     if optimizer is not None:
         owners = {pid: (owner_of(old, first[pid]), owner_of(new, first[pid])) for pid in tensors}
         moving = {pid: (was, now) for pid, (was, now) in owners.items() if was != now}
-        hand_over_optimizer_state(optimizer, moving, stage, len(new))
+        hand_over_optimizer_state(optimizer, moving, stage, world_size or len(new))
     return moved
 
 

@@ -17,10 +17,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 
-def broadcast_object(obj: Any, src: int, device: torch.device) -> Any:
-    """``obj`` from rank ``src`` on every rank."""
+def broadcast_object(obj: Any, src: int, device: torch.device, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (default: all)."""
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src, device=device if dist.get_backend() == "nccl" else None)
+    dist.broadcast_object_list(holder, src=src, group=group, device=device if dist.get_backend() == "nccl" else None)
     return holder[0]
 
 

@@ -37,13 +37,13 @@ class FailureBoard:
     Args:
         store: a ``torch.distributed.Store`` every stage process reaches, or ``None`` (posts are dropped).
         rank: this process's rank.
-        stage_of_rank: each rank's stage.
+        names: how to name each rank, indexed by it (e.g. ``"stage 1 (rank 1)"``).
     """
 
-    def __init__(self, store: Any, rank: int, stage_of_rank: Sequence[int]) -> None:
+    def __init__(self, store: Any, rank: int, names: Sequence[str]) -> None:
         self.store = store
         self.rank = rank
-        self.stage_of_rank = list(stage_of_rank)
+        self.names = list(names)
         self._key = f"{_PREFIX}/{next(_boards)}"
         self.posted = False
 
@@ -65,11 +65,11 @@ class FailureBoard:
         deadline = time.monotonic() + wait_s
         while True:
             found = []
-            for rank, stage in enumerate(self.stage_of_rank):
+            for rank, name in enumerate(self.names):
                 key = f"{self._key}/{rank}"
                 try:
                     if rank != self.rank and self.store.check([key]):
-                        found.append(f"Pipeline stage {stage} (rank {rank}) raised {self.store.get(key).decode()}")
+                        found.append(f"Pipeline {name} raised {self.store.get(key).decode()}")
                 except Exception:  # noqa: BLE001 - unreachable store: no explanation
                     return found
             # A stage that only lost a neighbour posts that too: it is the explanation only when no

@@ -58,12 +58,21 @@ class P2PTransport:
             process runs on this host and the backend is not NCCL, else ``torch.distributed``.
         spin_s: with shared-memory links, how long a receive polls before it sleeps (see
             :class:`.SharedMemoryLinks`); 0 unless this process has cores of its own.
+        group: the process group of exactly ``ranks`` when there are other pipelines (data-parallel
+            replicas of this one); ``None``: every process is a stage of this one.
+        names: how errors name each global rank, indexed by it (default ``"stage s (rank r)"``).
     """
 
     def __init__(self, stage: int, ranks: Sequence[int], device: torch.device, timeout: timedelta,
-                 links: Literal["auto", "shared_memory", "torch"] = "auto", spin_s: float = 0.0) -> None:
+                 links: Literal["auto", "shared_memory", "torch"] = "auto", spin_s: float = 0.0,
+                 group: Any = None, names: Sequence[str] | None = None) -> None:
         self.stage = stage
         self.ranks = list(ranks)
+        self.group = group
+        stage_of_rank = {rank: s for s, rank in enumerate(self.ranks)}
+        self.names = list(names) if names is not None else [
+            f"stage {stage_of_rank[r]} (rank {r})" if r in stage_of_rank else f"rank {r}"
+            for r in range(max(self.ranks) + 1)]
         self.device = device
         self.timeout = timeout
         #: Receives block here; set by the engine to attribute that time (``StageTelemetry``).
@@ -77,10 +86,8 @@ class P2PTransport:
         self.wait_s = 0.0
         #: What the first activation this stage sent looked like (see :func:`.boundary.describe`).
         self.first_activation: str | None = None
-        stage_of_rank = {rank: s for s, rank in enumerate(self.ranks)}
         #: Where a failing stage posts its error, so that the others (rank 0 above all) can name it.
-        self.failures = FailureBoard(default_store(), self.ranks[stage],
-                                     [stage_of_rank.get(r, -1) for r in range(max(self.ranks) + 1)])
+        self.failures = FailureBoard(default_store(), self.ranks[stage], self.names)
         nccl = dist.get_backend() == "nccl"
         # Where messages arrive: NCCL moves only device tensors, gloo only host ones.
         self._wire = device if nccl else torch.device("cpu")
@@ -93,7 +100,8 @@ class P2PTransport:
                 "/dev/shm) and a backend other than NCCL, which moves device tensors itself; use transport='auto'.")
         self.links: TorchLinks | SharedMemoryLinks
         if links != "torch" and shareable:
-            self.links = SharedMemoryLinks.connect(stage, self.ranks, timeout, self._waited, self._lost, spin_s)
+            self.links = SharedMemoryLinks.connect(stage, self.ranks, timeout, self._waited, self._lost, spin_s,
+                                                   group)
         else:
             self.links = TorchLinks(self.ranks, self._wire, timeout, self._waited, self._lost)
 
@@ -174,7 +182,7 @@ class P2PTransport:
     def share(self, value: Any) -> Any:
         """The last stage's ``value`` (e.g. an evaluation output) on every stage."""
         last = len(self.ranks) - 1
-        return broadcast_object(value if self.stage == last else None, self.ranks[last], self.device)
+        return broadcast_object(value if self.stage == last else None, self.ranks[last], self.device, self.group)
 
     def share_window_end(self, losses: Sequence[Tensor | None], flags: Sequence[int],
                          records: list[Any] | None = None) -> tuple[list[Tensor], list[int], list[Any]]:
@@ -256,10 +264,10 @@ class P2PTransport:
 
     def _lost(self, stage: int | None, error: BaseException) -> StageFailure:
         if stage is None:
-            return StageFailure(f"stage {self.stage} could not deliver a message to a neighbouring stage: it failed "
-                                f"or exited ({error}).{self._cause()}")
-        return StageFailure(f"Pipeline stage {stage} (rank {self.ranks[stage]}) failed or exited: it stopped sending "
-                            f"({error})." + (self._cause() or " See that stage's own error output for the cause."))
+            return StageFailure(f"{self.names[self.ranks[self.stage]]} could not deliver a message to a neighbouring "
+                                f"stage: it failed or exited ({error}).{self._cause()}")
+        return StageFailure(f"Pipeline {self.names[self.ranks[stage]]} failed or exited: it stopped sending ({error})."
+                            + (self._cause() or " See that process's own error output for the cause."))
 
     def _cause(self) -> str:
         causes = self.failures.causes()

@@ -121,10 +121,11 @@ class SharedMemoryLinks:
 
     @classmethod
     def connect(cls, stage: int, ranks: Sequence[int], timeout: timedelta, waited: WaitHandler,
-                lost: LostHandler, spin_s: float = 0.0) -> SharedMemoryLinks:
-        """Open this stage's links (collective: every stage process calls it)."""
+                lost: LostHandler, spin_s: float = 0.0, group: Any = None) -> SharedMemoryLinks:
+        """Open this stage's links (collective: every process calls it; ``group``: the process group of
+        ``ranks`` where other pipelines, data-parallel replicas of this one, connect at the same time)."""
         folder = tempfile.mkdtemp(prefix="naspipe-", dir=SHARED_MEMORY) if stage == 0 else None
-        folder = broadcast_object(folder, ranks[0], torch.device("cpu"))
+        folder = broadcast_object(folder, ranks[0], torch.device("cpu"), group)
         peers = [p for p in (stage - 1, stage + 1) if 0 <= p < len(ranks)]
         fds: dict[tuple[str, int, int], int] = {}
         # This stage reads the notes coming in and the acks of what it sends: it makes those FIFOs.

@@ -1,0 +1,209 @@
+"""Data-parallel replicas of a stage that sum like one device: gradients and BatchNorm statistics in
+micro-batch order.
+
+On one device a subnet's gradient is accumulated micro-batch by micro-batch: ``((g0 + g1) + g2) + g3``.
+Floating-point addition is not associative, so an all-reduce (a ring or tree of partial sums) would
+change the bits. Here the replicas of a stage each train a contiguous share of the micro-batches
+(:meth:`.Layout.chunk_share`) and, in the subnet's update, chain their sums in that order:
+
+* replica 0 accumulates its micro-batches as one device does (its ``.grad`` *is* the prefix sum) and
+  sends it to replica 1;
+* every later replica keeps each of its micro-batches' gradients apart, adds them one by one to the
+  prefix it receives, and sends the result on;
+* the last replica's sum is the one-device gradient, bit for bit; it goes back to every replica, so all
+  of them step the same parameters with the same gradient.
+
+BatchNorm in training computes its output from the batch's statistics, so only its running statistics
+depend on the order. Replica 0 updates them as one device does; a later replica keeps each BatchNorm
+input of its micro-batches and, once it has the running statistics the replica before it ended with,
+replays the update with the same kernel (``torch.batch_norm_update_stats``), micro-batch by micro-batch.
+
+Cost per subnet update and stage: ``D - 1`` chained messages of the subnet's gradients and BatchNorm
+buffers on this stage, and ``D - 1`` back from the last replica; a later replica holds one gradient copy
+per micro-batch it trains until the update, and a reference to each of its BatchNorm inputs (which
+autograd keeps for the backward anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lightning_naspipe.errors import NASPipeConfigError
+
+__all__ = ["ReplicaGroup", "ReplicaUpdates", "ordered_sum"]
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class ReplicaGroup(Protocol):
+    """The replicas of this process's stage, as the engine needs them (see :mod:`.transport.replica_links`)."""
+
+    @property
+    def replica(self) -> int:
+        """This process's replica, 0-based."""
+        ...
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas the stage has."""
+        ...
+
+    def send_next(self, value: Any) -> None:
+        """Send ``value`` to the next replica (not waiting for it to be received)."""
+        ...
+
+    def recv_previous(self) -> Any:
+        """The next value the previous replica sent."""
+        ...
+
+    def from_last(self, value: Any) -> Any:
+        """The last replica's ``value`` (pass ``None`` elsewhere) on every replica."""
+        ...
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every replica's ``value``, in replica order (collective over the stage's replicas)."""
+        ...
+
+
+def ordered_sum(parts: Sequence[Tensor | None]) -> Tensor | None:
+    """``parts`` summed left to right as autograd accumulates ``.grad`` (``None``: nothing flowed)."""
+    total: Tensor | None = None
+    for part in parts:
+        if part is not None:
+            total = part if total is None else total + part
+    return total
+
+
+class ReplicaUpdates:
+    """One replica's side of the exact gradient and BatchNorm reduction of its stage (see the module doc).
+
+    Args:
+        group: the replicas of this stage.
+        supernet: the module whose BatchNorm layers are watched.
+    """
+
+    def __init__(self, group: ReplicaGroup, supernet: nn.Module) -> None:
+        self.group = group
+        #: Per subnet: the parameters its update steps on this stage (set by the engine for each window).
+        self.params: dict[int, Sequence[Tensor]] = {}
+        # Per (subnet, chunk) of a later replica: each micro-batch's gradients, and its BatchNorm inputs.
+        self._grads: dict[tuple[int, int], list[Tensor | None]] = {}
+        self._inputs: dict[tuple[int, int], list[tuple[nn.Module, Tensor]]] = {}
+        # Per subnet: the BatchNorm layers its forwards updated on this stage, in first-use order.
+        self._touched: dict[int, dict[int, nn.Module]] = {}
+        self._current: tuple[int, int] | None = None
+        # Every other buffer must stay as it is: its order across replicas is not reproduced.
+        self._others = [(f"{name}.{n}".lstrip("."), b) for name, m in supernet.named_modules()
+                        if not isinstance(m, _BATCH_NORMS) for n, b in m.named_buffers(recurse=False)]
+        self._hooks = [m.register_forward_pre_hook(self._batch_norm_input) for m in supernet.modules()
+                       if isinstance(m, _BATCH_NORMS)]
+
+    def close(self) -> None:
+        """Remove the BatchNorm hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    @contextlib.contextmanager
+    def forward(self, index: int, chunk: int) -> Iterator[None]:
+        """Around subnet ``index``'s training forward of micro-batch ``chunk`` on this stage."""
+        versions = [b._version for _, b in self._others]
+        self._current = (index, chunk)
+        try:
+            yield
+        finally:
+            self._current = None
+        for (name, buffer), version in zip(self._others, versions):
+            if buffer._version != version:
+                raise NASPipeConfigError(
+                    f"The supernet's buffer {name!r} changed in a training forward. With several replicas per "
+                    "stage, NASPipe reproduces the one-device order of BatchNorm's running statistics only; "
+                    "keep other buffers constant in training, or use one replica (num_stages = processes)."
+                )
+
+    @contextlib.contextmanager
+    def backward(self, index: int, chunk: int) -> Iterator[None]:
+        """Around micro-batch ``chunk``'s backward of subnet ``index``: on a later replica its gradients
+        of the update's :attr:`params` are kept apart; replica 0 accumulates them in ``.grad``, as one
+        device does."""
+        if self.group.replica == 0:
+            yield
+            return
+        params = self.params[index]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self._grads[(index, chunk)] = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+
+    def reduce(self, index: int, chunks: range, params: Sequence[Tensor]) -> None:
+        """Before subnet ``index``'s update: give ``params`` the one-device gradient and this stage's BatchNorm
+        layers the one-device running statistics, on every replica. ``chunks``: this replica's micro-batches."""
+        group, layers = self.group, list(self._touched.pop(index, {}).values())
+        self.params.pop(index, None)
+        if group.replica == 0:
+            grads: list[Tensor | None] = [p.grad for p in params]
+            buffers = [_statistics(m) for m in layers]
+        else:
+            grads, buffers = group.recv_previous()
+            for chunk in chunks:
+                own = self._grads.pop((index, chunk), [None] * len(params))
+                grads = [ordered_sum((total, part)) for total, part in zip(grads, own)]
+            _load_statistics(layers, buffers)
+            for chunk in chunks:
+                for layer, batch in self._inputs.pop((index, chunk), []):
+                    _replay(layer, batch)
+            buffers = [_statistics(m) for m in layers]
+        if group.replica < group.replicas - 1:
+            group.send_next((grads, buffers))
+        grads, buffers = group.from_last((grads, buffers) if group.replica == group.replicas - 1 else None)
+        for p, grad in zip(params, grads):
+            p.grad = None if grad is None else grad.to(p.device)
+        _load_statistics(layers, buffers)
+
+    def drop_from(self, index: int) -> None:
+        """Forget what forwards of subnets ``index`` and later kept (a lookahead that did not come)."""
+        for kept in (self._grads, self._inputs):
+            for key in [key for key in kept if key[0] >= index]:
+                del kept[key]
+        for by_subnet in (self._touched, self.params):
+            for subnet in [subnet for subnet in by_subnet if subnet >= index]:
+                del by_subnet[subnet]
+
+    def _batch_norm_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        current = self._current
+        if current is None or not module.training or not getattr(module, "track_running_stats", False):
+            return
+        self._touched.setdefault(current[0], {}).setdefault(id(module), module)
+        if self.group.replica > 0:
+            self._inputs.setdefault(current, []).append((module, args[0].detach()))
+
+
+def _statistics(layer: nn.Module) -> list[Tensor]:
+    return [b.detach().clone() for b in layer.buffers(recurse=False)]
+
+
+def _load_statistics(layers: Sequence[nn.Module], statistics: Sequence[Sequence[Tensor]]) -> None:
+    with torch.no_grad():
+        for layer, values in zip(layers, statistics):
+            for buffer, value in zip(layer.buffers(recurse=False), values):
+                buffer.copy_(value)
+
+
+def _replay(layer: Any, batch: Tensor) -> None:
+    """The running-statistics update a training forward of ``layer`` on ``batch`` makes (as ``_BatchNorm.forward``
+    computes its factor), with the kernel the forward uses."""
+    factor = 0.0 if layer.momentum is None else layer.momentum
+    if layer.num_batches_tracked is not None:
+        layer.num_batches_tracked.add_(1)
+        if layer.momentum is None:
+            factor = 1.0 / float(layer.num_batches_tracked)
+    torch.batch_norm_update_stats(batch, layer.running_mean, layer.running_var, factor)

@@ -1,0 +1,101 @@
+"""Messages among the data-parallel replicas of one stage (the :class:`~.pipeline.replicas.ReplicaGroup`
+the engine uses for its exact gradient reduction).
+
+The chain of partial sums travels point to point (:class:`.TorchLinks`, asynchronous sends, so a
+replica that passes its sum on computes on); what is small and per window (the last stage's
+per-micro-batch losses, agreed flags) goes through a collective over the stage's replica group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_naspipe.transport.p2p import StageFailure
+from lightning_naspipe.transport.torch_links import TorchLinks
+
+__all__ = ["ReplicaLinks", "layout_groups"]
+
+# Groups are made once per process and layout: making them is collective and they are never freed.
+_GROUPS: dict[tuple[int, int, str, int], tuple[Any, Any]] = {}
+
+
+def layout_groups(layout: Any, device: torch.device) -> tuple[Any, Any]:
+    """This rank's process groups from torch's device mesh of ``layout`` (a :class:`.Layout`): its pipeline's
+    (the ranks of every stage of its replica) and its stage's replicas' (collective on the first call)."""
+    key = (layout.stages, layout.replicas, device.type, id(dist.group.WORLD))
+    if key not in _GROUPS:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (layout.stages, layout.replicas), mesh_dim_names=("stage", "replica"))
+        _GROUPS[key] = (mesh.get_group("stage"), mesh.get_group("replica"))
+    return _GROUPS[key]
+
+
+class ReplicaLinks:
+    """This process's links to the other replicas of its stage.
+
+    Args:
+        replica: this process's replica.
+        ranks: the global rank of each replica of this stage, in replica order.
+        names: how errors name each of those ranks (e.g. ``"stage 1 replica 0 (rank 2)"``).
+        group: the process group of exactly those ranks (for :meth:`gather`).
+        device: the stage's compute device (message buffers live there with NCCL).
+        timeout: how long a receive may wait before the peer is declared lost.
+    """
+
+    def __init__(self, replica: int, ranks: Sequence[int], names: Sequence[str], group: Any, device: torch.device,
+                 timeout: timedelta) -> None:
+        self._replica = replica
+        self.ranks = list(ranks)
+        self.names = list(names)
+        self.group = group
+        #: Seconds spent waiting for another replica's sum (the rest of an update is busy time).
+        self.wait_s = 0.0
+        wire = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.links = TorchLinks(self.ranks, wire, timeout, self._waited, self._lost)
+
+    @property
+    def replica(self) -> int:
+        return self._replica
+
+    @property
+    def replicas(self) -> int:
+        return len(self.ranks)
+
+    def send_next(self, value: Any) -> None:
+        self.links.send(self._replica + 1, value)
+
+    def recv_previous(self) -> Any:
+        return self.links.recv(self._replica - 1)
+
+    def from_last(self, value: Any) -> Any:
+        last = len(self.ranks) - 1
+        if self._replica != last:
+            return self.links.recv(last)
+        for replica in range(last):
+            self.links.send(replica, value)
+        return value
+
+    def gather(self, value: Any) -> list[Any]:
+        parts: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(parts, value, group=self.group)
+        return parts
+
+    def flush(self) -> None:
+        """Wait until every message this replica sent has been delivered."""
+        self.links.flush()
+
+    def _waited(self, seconds: float, end: float) -> None:
+        self.wait_s += seconds
+
+    def _lost(self, replica: int | None, error: BaseException) -> StageFailure:
+        if replica is None:
+            return StageFailure(f"{self.names[self._replica]} could not deliver a message to another replica of its "
+                                f"stage: it failed or exited ({error}).")
+        return StageFailure(f"Pipeline {self.names[replica]} failed or exited: it stopped sending ({error}). See "
+                            "that process's own error output for the cause.")
