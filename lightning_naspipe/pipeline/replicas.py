@@ -100,7 +100,7 @@ class ReplicaUpdates:
         # Every other buffer must stay as it is: its order across replicas is not reproduced.
         self._others = [(f"{name}.{n}".lstrip("."), b) for name, m in supernet.named_modules()
                         if not isinstance(m, _BATCH_NORMS) for n, b in m.named_buffers(recurse=False)]
-        self._hooks = [m.register_forward_pre_hook(self._batch_norm_input) for m in supernet.modules()
+        self._hooks = [m.register_forward_pre_hook(_Hook(self)) for m in supernet.modules()
                        if isinstance(m, _BATCH_NORMS)]
 
     def close(self) -> None:
@@ -178,13 +178,32 @@ class ReplicaUpdates:
             for subnet in [subnet for subnet in by_subnet if subnet >= index]:
                 del by_subnet[subnet]
 
-    def _batch_norm_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def batch_norm_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook of the watched BatchNorm layers."""
         current = self._current
         if current is None or not module.training or not getattr(module, "track_running_stats", False):
             return
         self._touched.setdefault(current[0], {}).setdefault(id(module), module)
         if self.group.replica > 0:
             self._inputs.setdefault(current, []).append((module, args[0].detach()))
+
+
+class _Hook:
+    """The BatchNorm pre-hook; a copy of the module (``copy.deepcopy``, pickling) gets one that does nothing,
+    rather than this process's links to the other replicas."""
+
+    def __init__(self, updates: ReplicaUpdates | None) -> None:
+        self.updates = updates
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self.updates is not None:
+            self.updates.batch_norm_input(module, args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return _Hook(None)
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (_Hook, (None,))
 
 
 def _statistics(layer: nn.Module) -> list[Tensor]:

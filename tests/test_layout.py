@@ -1,0 +1,44 @@
+"""Stages x replicas: stage-major ranks, contiguous micro-batch shares, and the layouts refused."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.pipeline.layout import Layout
+
+
+def test_ranks_are_stage_major() -> None:
+    layout = Layout.of(6, 3)
+    assert (layout.stages, layout.replicas) == (3, 2)
+    assert layout.replica_ranks(1) == [2, 3] and layout.column(1) == [1, 3, 5]
+    assert [(layout.stage_of(r), layout.replica_of(r)) for r in range(6)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert layout.name(3) == "stage 1 replica 1 (rank 3)" and Layout.of(3, None).name(2) == "stage 2 (rank 2)"
+
+
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 4))
+def test_the_replicas_share_every_micro_batch_once_in_order(stages: int, replicas: int, per_replica: int) -> None:
+    layout = Layout.of(stages * replicas, stages)
+    chunks = replicas * per_replica
+    shares = [layout.chunk_share(chunks, r) for r in range(replicas)]
+    assert [c for share in shares for c in share] == list(range(chunks))
+    for rank in range(layout.world_size):
+        assert layout.rank(layout.stage_of(rank), layout.replica_of(rank)) == rank
+
+
+def test_num_stages_must_divide_the_processes() -> None:
+    assert Layout.of(4, None) == Layout(4, 1)
+    with pytest.raises(NASPipeConfigError, match=r"num_stages=3\) with 4 processes.*use one of \[1, 2, 4\]"):
+        Layout.of(4, 3)
+    with pytest.raises(NASPipeConfigError, match="num_stages must divide 2"):
+        Layout.of(2, 4)
+
+
+def test_chunks_must_be_a_multiple_of_the_replicas() -> None:
+    layout = Layout.of(4, 2)
+    layout.check_chunks(4)
+    with pytest.raises(NASPipeConfigError, match=r"chunks=3\) with 2 replicas.*multiple of 2, e\.g\. \[2, 4, 6\]"):
+        layout.chunk_share(3, 0)

@@ -1,0 +1,191 @@
+"""The replicas' reduction in one process: replica threads, each with its own copy of a module, give the
+one-device gradients and BatchNorm statistics bit for bit (the multi-process runs: test_replicas_stages.py)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import queue
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.pipeline.replicas import ReplicaUpdates, ordered_sum
+
+CHUNKS = 4
+
+
+class _Group:
+    """A ReplicaGroup of threads: a queue per directed pair, a barrier for gather."""
+
+    def __init__(self, replica: int, world: _World) -> None:
+        self._replica, self.world = replica, world
+
+    @property
+    def replica(self) -> int:
+        return self._replica
+
+    @property
+    def replicas(self) -> int:
+        return self.world.size
+
+    def send_next(self, value: Any) -> None:
+        self.world.queues[(self._replica, self._replica + 1)].put(value)
+
+    def recv_previous(self) -> Any:
+        return self.world.queues[(self._replica - 1, self._replica)].get(timeout=30)
+
+    def from_last(self, value: Any) -> Any:
+        last = self.world.size - 1
+        if self._replica == last:
+            for replica in range(last):
+                self.world.queues[(last, replica)].put(value)
+            return value
+        return self.world.queues[(last, self._replica)].get(timeout=30)
+
+    def gather(self, value: Any) -> list[Any]:
+        self.world.parts[self._replica] = value
+        self.world.barrier.wait(timeout=30)
+        return list(self.world.parts)
+
+
+class _World:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.queues: dict[tuple[int, int], queue.Queue[Any]] = {
+            (a, b): queue.Queue() for a in range(size) for b in range(size) if a != b}
+        self.parts: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+
+def _model(momentum: float | None) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, momentum=momentum), nn.Tanh(), nn.Linear(8, 3),
+                         nn.BatchNorm1d(3, momentum=momentum))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(16, 6, generator=generator) * 3 + 1, torch.randint(0, 3, (16,), generator=generator)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y) * 0.25
+
+
+def _one_device(momentum: float | None) -> nn.Module:
+    model = _model(momentum)
+    x, y = _batch()
+    for c in range(CHUNKS):  # as the sequential engine: forward and backward micro-batch by micro-batch
+        _loss(model, x.tensor_split(CHUNKS)[c], y.tensor_split(CHUNKS)[c]).backward()
+    return model
+
+
+def _replicated(replicas: int, momentum: float | None) -> list[nn.Module]:
+    world, models = _World(replicas), [_model(momentum) for _ in range(replicas)]
+    x, y = _batch()
+    errors: list[BaseException] = []
+
+    def run(replica: int) -> None:
+        try:
+            model = models[replica]
+            updates = ReplicaUpdates(_Group(replica, world), model)
+            params = list(model.parameters())
+            updates.params[7] = params
+            share = range(replica * CHUNKS // replicas, (replica + 1) * CHUNKS // replicas)
+            for c in share:
+                with updates.forward(7, c):
+                    loss = _loss(model, x.tensor_split(CHUNKS)[c], y.tensor_split(CHUNKS)[c])
+                with updates.backward(7, c):
+                    loss.backward()
+            updates.reduce(7, share, params)
+            updates.close()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(replicas)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return models
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_replicas_give_every_replica_the_one_device_gradients_and_statistics(replicas: int,
+                                                                             momentum: float | None) -> None:
+    reference = _one_device(momentum)
+    for model in _replicated(replicas, momentum):
+        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+            assert q.grad is not None and torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+        for (name, b), c in zip(reference.named_buffers(), model.buffers()):
+            assert torch.equal(b, c), name
+
+
+def test_summing_each_replicas_share_first_would_differ() -> None:
+    """The reference is sensitive to the order: (g0 + g1) + (g2 + g3) differs from the one-device sum."""
+    grads = []
+    model = _model(0.1)
+    x, y = _batch()
+    for c in range(CHUNKS):
+        model.zero_grad(set_to_none=True)
+        _loss(model, x.tensor_split(CHUNKS)[c], y.tensor_split(CHUNKS)[c]).backward()
+        grads.append([p.grad for p in model.parameters()])
+    one_device = [ordered_sum(parts) for parts in zip(*grads)]
+    pairwise = [ordered_sum((ordered_sum(g[:2]), ordered_sum(g[2:]))) for g in zip(*grads)]
+    assert not all(torch.equal(a, b) for a, b in zip(one_device, pairwise))  # type: ignore[arg-type]
+
+
+def test_ordered_sum_skips_missing_parts_as_autograd_does() -> None:
+    a, b = torch.tensor([1.0]), torch.tensor([2.0])
+    assert ordered_sum([None, None]) is None
+    assert ordered_sum([None, a]) is a
+    assert torch.equal(ordered_sum([a, None, b]), torch.tensor([3.0]))  # type: ignore[arg-type]
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1  # a buffer whose order across replicas is not reproduced
+        return x
+
+
+def test_another_buffer_changed_in_a_training_forward_is_refused_naming_it() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), _Counter())
+    updates = ReplicaUpdates(_Group(1, _World(2)), model)
+    with pytest.raises(NASPipeConfigError, match=r"buffer '1\.seen' changed in a training forward"):
+        with updates.forward(0, 2):
+            model(torch.ones(1, 2))
+    updates.close()
+    model(torch.ones(1, 2))  # outside a training forward nothing is checked
+
+
+def test_a_copy_or_pickle_of_the_module_is_not_watched() -> None:
+    model = _model(0.1)
+    updates = ReplicaUpdates(_Group(1, _World(2)), model)
+    other = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # a module holding the hooks pickles (e.g. a callback saving it whole)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with updates.forward(3, 2):
+        loaded(torch.ones(4, 6))
+    with updates.forward(3, 2):
+        other(torch.ones(4, 6))
+    assert not updates._touched  # hooks belong to the watched module only
+    with updates.forward(3, 2):
+        model(torch.ones(4, 6))
+    assert len(updates._touched[3]) == 2 and len(updates._inputs[(3, 2)]) == 2
+    updates.drop_from(3)
+    assert not updates._touched and not updates._inputs
+    updates.close()
