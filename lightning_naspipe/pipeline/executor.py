@@ -22,7 +22,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import keyed_rng
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.space.choice import Architecture
-from lightning_naspipe.space.supernet import Supernet
+from lightning_naspipe.space.supernet import Supernet, describe
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
 from lightning_naspipe.pipeline.ties import TieRoutes
 from lightning_naspipe.pipeline.weight_grads import DeferredWeights
@@ -248,7 +248,7 @@ class StageExecutor:
             finally:
                 _LOSS_CONTEXT.reset(token)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
-                raise TypeError(f"compute_loss must return a scalar tensor, got {_describe(loss)}.")
+                raise TypeError(f"compute_loss must return a scalar tensor, got {describe(loss)}.")
             if len(window.pieces[k]) > 1:
                 loss = loss * weight
             total = window.losses[k]
@@ -326,9 +326,3 @@ class StageExecutor:
         if self.ties is not None:  # a tied copy's contribution is sent before the weight passes: one pass for it
             params = self.ties.ties.owned(self.stage, params)
         return deferred.backward(outputs, grads, inputs, params)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"

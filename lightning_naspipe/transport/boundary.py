@@ -101,25 +101,3 @@ def device_of(value: Any) -> torch.device:
     for tensor in tensors_in(value):
         return tensor.device
     return torch.device("cpu")
-
-
-def describe(value: Any) -> str:
-    """A short description of a boundary value: its structure, dtypes and shapes."""
-    if isinstance(value, Tensor):
-        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
-    if value is None or isinstance(value, (int, float, str, bool)):
-        return type(value).__name__
-    if isinstance(value, (tuple, list)):
-        parts: list[str] = []
-        for item in value:
-            text = describe(item)
-            if parts and parts[-1].split(" x")[0] == text:
-                count = int(parts[-1].split(" x")[1]) + 1 if " x" in parts[-1] else 2
-                parts[-1] = f"{text} x{count}"
-            else:
-                parts.append(text)
-        return f"{type(value).__name__}({', '.join(parts)})"
-    if isinstance(value, dict):
-        return "dict(" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + ")"
-    leaves = pytree.tree_leaves(value)
-    return f"{type(value).__name__}({len(leaves)} leaves)"
