@@ -259,7 +259,7 @@ class NASPipeStrategy(StagePlacement):
             self.engine.signals = agreement  # the flags travel with each window's losses
             if transfer_hooks_overridden(self._trainer(), self.lightning_module):
                 self.engine.lookahead = False  # Lightning runs them on each batch it hands over
-            if isinstance(self.engine.transport, P2PTransport):
+            if self.engine.transport is not None:
                 self.engine.transport.idle = self._read_ahead  # every stage reads every batch: read while waiting
 
     @override
@@ -296,7 +296,7 @@ class NASPipeStrategy(StagePlacement):
 
     @override
     def on_train_end(self) -> None:
-        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+        if self.engine is not None and self.engine.transport is not None:
             self.engine.transport.idle = None
         if self.trace_dir is not None:
             self._write_trace()
@@ -315,7 +315,7 @@ class NASPipeStrategy(StagePlacement):
         if self.engine is not None and self.engine.offloader is not None:
             self.engine.offloader.close()
             self.engine.offloader = None
-        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+        if self.engine is not None and self.engine.transport is not None:
             self.engine.transport.close()
             self.engine.transport = None
         supernet = getattr(self.lightning_module, "supernet", None)
@@ -346,7 +346,7 @@ class NASPipeStrategy(StagePlacement):
             return
         self._stages_reported = True
         transport = self.engine.transport if self.engine is not None else None
-        sends = gather_objects(getattr(transport, "first_activation", None), self.world_size)
+        sends = gather_objects(transport.first_activation if transport is not None else None, self.world_size)
         if self.is_global_zero:
             costs, unit = self._split_costs
             table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends)

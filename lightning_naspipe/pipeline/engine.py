@@ -293,9 +293,9 @@ class Engine:
         self._clipping = self._update_clipping(module, plan.schedule.norms)
         if self.transport is not None:
             self.transport.begin_window(plan.run_schedule(), window.first_index)
-        start, waited = time.perf_counter(), getattr(self.transport, "wait_s", 0.0)
+        start, waited = time.perf_counter(), self._wait_s()
         executor.run(actions, window, update, residency.before_forward if residency else None)
-        self.busy_s += time.perf_counter() - start - (getattr(self.transport, "wait_s", 0.0) - waited)
+        self.busy_s += time.perf_counter() - start - (self._wait_s() - waited)
         if eligible:
             self.deferral.record(defer, executor.seconds_to_send)
         if residency is not None:
@@ -341,13 +341,18 @@ class Engine:
         stages = len(self.stage_blocks)
         if stages == 1 and not clips(module):
             return None
-        transport, device = self.transport, getattr(self.transport, "device", torch.device("cpu"))
+        transport = self.transport
+        device = transport.device if transport is not None else torch.device("cpu")
 
         def exchange(index: int) -> NormExchange:
             assert transport is not None
             return NormExchange(transport, self.stage, stages, index, device)
 
         return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
+
+    def _wait_s(self) -> float:
+        """Seconds this stage has waited for messages (none with one stage)."""
+        return self.transport.wait_s if self.transport is not None else 0.0
 
     def _executor(self, module: EngineModule, telemetry: StageTelemetry | None, defer_weight_grads: bool = False,
                   ties: TieRoutes | None = None) -> StageExecutor:
