@@ -165,29 +165,21 @@ class NASPipeStrategy(StagePlacement):
         self._init_plugins(accelerator=accelerator, parallel_devices=parallel_devices,
                            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                            precision_plugin=precision_plugin)
+        self._init_processes(num_stages, checked["timeout"], process_group_backend, start_method)
+        self._init_placement(offload, offload_budget_bytes,
+                             rebalance_every if balance is None else None)  # an explicit balance is kept
         self.window = window
         self.chunks = chunks
-        self.num_stages = num_stages
         self.balance: list[int] | None = checked["balance"]
-        self.rebalance_every = rebalance_every if balance is None else None  # an explicit balance is kept
         if schedule == "async":
             rank_zero_warn("NASPipeStrategy(schedule='async') ignores parameter sharing between in-flight subnets: "
                            "results are not reproducible. Use it only as a speed baseline.")
         self.schedule = schedule
-        self.offload = offload
-        self.offload_budget_bytes = offload_budget_bytes
         self.lookahead = lookahead
         self.defer_weight_grads = defer_weight_grads
         self.telemetry = telemetry or trace_dir is not None
         self.trace_dir = trace_dir
-        self.timeout: timedelta = checked["timeout"]
-        self._process_group_backend = process_group_backend
         self.transport = transport
-        self._start_method = start_method
-        self._num_nodes = 1
-        self.engine: Engine | None = None
-        self.stage_ranges: list[range] = []
-        self._split_costs: tuple[list[float], str] = ([], "params")
         self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
         self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
