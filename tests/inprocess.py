@@ -10,7 +10,7 @@ stage processes do; only the transport differs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +35,20 @@ class _World:
 class LocalTransport:
     """The :class:`~lightning_naspipe.pipeline.executor.Transport` of one stage thread."""
 
+    # Threads of one process on the CPU: nothing to wait on that counts, no one to tell of a failure.
+    device = torch.device("cpu")
+    wait_s = 0.0
+    first_activation: str | None = None
+    failures = None
+    idle: Callable[[], bool] | None = None  # receives never wait here for long
+
     def __init__(self, world: _World, stage: int) -> None:
         self.world, self.stage = world, stage
         self._expected: dict[int, list[tuple[int, int]]] = {}
         self._early: dict[int, dict[tuple[int, int], Any]] = {}
+
+    def close(self) -> None:
+        pass
 
     def begin_window(self, schedule: Schedule, first_index: int = 0) -> None:
         if self.stage > 0:

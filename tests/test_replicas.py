@@ -33,6 +33,9 @@ class _Group:
     def replicas(self) -> int:
         return self.world.size
 
+    wait_s = 0.0
+    failures = None
+
     def send_next(self, value: Any) -> None:
         self.world.queues[(self._replica, self._replica + 1)].put(value)
 

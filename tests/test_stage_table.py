@@ -5,7 +5,7 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.pipeline.stage_table import chunks_hint, serialising_blocks, stage_table
-from lightning_naspipe.transport.boundary import describe
+from lightning_naspipe.space.supernet import describe
 
 
 def test_describe_names_structure_dtypes_and_shapes() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, ClassVar
+from typing import Any
 
 from typing_extensions import override
 
@@ -26,10 +26,8 @@ _NAMES = {"lightning.pytorch": "LightningNASPipeStrategy", "pytorch_lightning": 
 
 
 class NamespaceBinding(StageProcesses):
-    """The namespace half of ``NASPipeStrategy``: binding, and the plugins Lightning sets."""
-
-    # None until a Trainer (or a plugin passed in) tells which Lightning namespace this instance serves.
-    _namespace: ClassVar[Namespace | None] = None  # type: ignore[misc]
+    """The namespace half of ``NASPipeStrategy``: binding, and the plugins Lightning sets. An instance serves
+    no namespace (``_namespace`` ``None``) until a Trainer, or a plugin passed in, tells which."""
 
     def _init_plugins(self, **plugins: Any) -> None:
         """The namespace's ``ParallelStrategy.__init__`` when bound; else keep what the Trainer's connector

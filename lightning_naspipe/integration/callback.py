@@ -176,8 +176,9 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         restore(trainer)
         # Post the error before any exception callback may block, so a stage that lost this one
         # (rank 0 above all, the process the user watches) names the cause, not just the silence.
-        engine = getattr(trainer.strategy, "engine", None)
-        failures = getattr(getattr(engine, "transport", None), "failures", None)
+        strategy = trainer.strategy
+        engine = strategy.engine if isinstance(strategy, PipelineRunner) else None
+        failures = engine.failures if engine is not None else None
         if failures is not None:
             failures.post(exception)
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,17 +54,11 @@ class StageProcesses(_StrategyBase):
 
     A mixin for a namespace's ``ParallelStrategy`` (see :mod:`.namespaces`): the launchers and the
     fabric's process-group helpers come from ``_namespace``, so one namespace is never mixed with
-    the other's. Subclasses set ``num_stages``, ``chunks``, ``timeout``, ``_process_group_backend``,
-    ``_start_method`` and ``_num_nodes`` in their ``__init__``.
+    the other's. A subclass's ``__init__`` calls :meth:`_init_processes`.
     """
 
-    _namespace: Namespace | None
-    num_stages: int | None
-    chunks: int
-    timeout: timedelta
-    _process_group_backend: str | None
-    _start_method: Literal["popen", "spawn", "fork", "forkserver"]
-    _num_nodes: int
+    #: The Lightning namespace served: set on the bound classes (:mod:`.binding`), ``None`` before binding.
+    _namespace: ClassVar[Namespace | None] = None
     #: The CPU affinity before this process pinned itself (``_pin_to_cores``); restored at teardown.
     _affinity_before: set[int] | None = None
     #: The stage processes this one launched (rank 0 under Lightning's popen launcher).
@@ -72,6 +66,16 @@ class StageProcesses(_StrategyBase):
     #: Marks a strategy with one process per stage; ``searching.search_loop`` checks it without
     #: importing this module (searching sits below the Lightning glue).
     _naspipe_stage_processes: bool = True
+
+    def _init_processes(self, num_stages: int | None, timeout: timedelta, process_group_backend: str | None,
+                        start_method: Literal["popen", "spawn", "fork", "forkserver"]) -> None:
+        """This part's settings (``NASPipeStrategy``'s arguments of the same names); one node until the
+        Trainer sets ``num_nodes``."""
+        self.num_stages = num_stages
+        self.timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self._num_nodes = 1
 
     @property
     @override
@@ -148,7 +152,7 @@ class StageProcesses(_StrategyBase):
 
     @override
     def setup_environment(self) -> None:
-        self.layout.check_chunks(self.chunks)  # raises for num_stages that do not divide the processes too
+        Layout.of(self.world_size, self.num_stages)  # refuses a num_stages that does not divide the processes
         super().setup_environment()  # the namespace's ParallelStrategy
         if self.local_rank > 0:
             exit_with_parent()

@@ -28,20 +28,25 @@ from lightning_naspipe.space.supernet import supernet_of
 
 
 class StagePlacement(NamespaceBinding):
-    """Blocks per stage for ``NASPipeStrategy``, which sets these in ``__init__`` and ``setup``."""
+    """Blocks per stage for ``NASPipeStrategy``, whose ``__init__`` calls :meth:`_init_placement`."""
 
-    engine: Engine | None
-    stage_ranges: list[range]
-    offload: bool
-    offload_budget_bytes: int | None
-    rebalance_every: int | None
-    #: The block costs the split balances, and their unit (``"ms"`` or ``"params"``).
-    _split_costs: tuple[list[float], str]
-    #: Every stage's busy seconds at the last rebalancing check.
-    _busy_before: list[float]
     #: Whether every rank holds every block's current weights and optimizer state: always but between a
     #: multi-stage fit's setup and its training end, when a stage keeps only its own blocks current.
     _whole: bool = True
+
+    def _init_placement(self, offload: bool, offload_budget_bytes: int | None, rebalance_every: int | None) -> None:
+        """This part's settings (``NASPipeStrategy``'s arguments of the same names) and its state before ``setup``."""
+        self.offload = offload
+        self.offload_budget_bytes = offload_budget_bytes
+        self.rebalance_every = rebalance_every
+        #: This stage's engine, built at ``setup``.
+        self.engine: Engine | None = None
+        #: The blocks of every stage, in stage order.
+        self.stage_ranges: list[range] = []
+        #: The block costs the split balances, and their unit (``"ms"`` or ``"params"``).
+        self._split_costs: tuple[list[float], str] = ([], "params")
+        #: Every stage's busy seconds at the last rebalancing check.
+        self._busy_before: list[float] = []
 
     def _build_offloader(self) -> None:
         assert self.engine is not None

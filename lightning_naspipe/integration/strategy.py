@@ -42,6 +42,7 @@ from lightning_naspipe.pipeline.stage_table import chunks_hint, stage_table
 from lightning_naspipe.space.supernet import supernet_of
 from lightning_naspipe.integration.stage_placement import StagePlacement
 from lightning_naspipe.pipeline.telemetry import StageTelemetry, write_trace_files
+from lightning_naspipe.transport.failures import FailureBoard, default_store
 from lightning_naspipe.transport.p2p import P2PTransport
 from lightning_naspipe.transport.replica_links import ReplicaLinks, layout_groups
 
@@ -170,29 +171,21 @@ class NASPipeStrategy(StagePlacement):
         self._init_plugins(accelerator=accelerator, parallel_devices=parallel_devices,
                            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                            precision_plugin=precision_plugin)
+        self._init_processes(num_stages, checked["timeout"], process_group_backend, start_method)
+        self._init_placement(offload, offload_budget_bytes,
+                             rebalance_every if balance is None else None)  # an explicit balance is kept
         self.window = window
         self.chunks = chunks
-        self.num_stages = num_stages
         self.balance: list[int] | None = checked["balance"]
-        self.rebalance_every = rebalance_every if balance is None else None  # an explicit balance is kept
         if schedule == "async":
             rank_zero_warn("NASPipeStrategy(schedule='async') ignores parameter sharing between in-flight subnets: "
                            "results are not reproducible. Use it only as a speed baseline.")
         self.schedule = schedule
-        self.offload = offload
-        self.offload_budget_bytes = offload_budget_bytes
         self.lookahead = lookahead
         self.defer_weight_grads = defer_weight_grads
         self.telemetry = telemetry or trace_dir is not None
         self.trace_dir = trace_dir
-        self.timeout: timedelta = checked["timeout"]
-        self._process_group_backend = process_group_backend
         self.transport = transport
-        self._start_method = start_method
-        self._num_nodes = 1
-        self.engine: Engine | None = None
-        self.stage_ranges: list[range] = []
-        self._split_costs: tuple[list[float], str] = ([], "params")
         self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
         self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
@@ -217,6 +210,7 @@ class NASPipeStrategy(StagePlacement):
         supernet = supernet_of(self.lightning_module)
         example = getattr(self.lightning_module, "supernet_example_input", None)
         layout = self.layout
+        layout.check_chunks(self.chunks)
         stages = layout.stages
         weights = None
         if self.balance is None and example is not None and stages > 1:
@@ -237,8 +231,10 @@ class NASPipeStrategy(StagePlacement):
             transport.telemetry = telemetry
         replicas = None
         if layout.replicas > 1:
+            failures = transport.failures if transport is not None else FailureBoard(default_store(), self.global_rank,
+                                                                                     names)
             replicas = ReplicaLinks(self.replica, layout.replica_ranks(self.stage), names, replica_group,
-                                    self.root_device, self.timeout)
+                                    self.root_device, self.timeout, failures)
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload,
                              defer_weight_grads=self.defer_weight_grads, replicas=replicas)
@@ -272,7 +268,7 @@ class NASPipeStrategy(StagePlacement):
             self.engine.signals = agreement  # the flags travel with each window's losses
             if transfer_hooks_overridden(self._trainer(), self.lightning_module):
                 self.engine.lookahead = False  # Lightning runs them on each batch it hands over
-            if isinstance(self.engine.transport, P2PTransport):
+            if self.engine.transport is not None:
                 self.engine.transport.idle = self._read_ahead  # every stage reads every batch: read while waiting
 
     @override
@@ -309,7 +305,7 @@ class NASPipeStrategy(StagePlacement):
 
     @override
     def on_train_end(self) -> None:
-        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+        if self.engine is not None and self.engine.transport is not None:
             self.engine.transport.idle = None
         if self.trace_dir is not None:
             self._write_trace()
@@ -328,7 +324,7 @@ class NASPipeStrategy(StagePlacement):
         if self.engine is not None and self.engine.offloader is not None:
             self.engine.offloader.close()
             self.engine.offloader = None
-        if self.engine is not None and isinstance(self.engine.transport, P2PTransport):
+        if self.engine is not None and self.engine.transport is not None:
             self.engine.transport.close()
             self.engine.transport = None
         if self.engine is not None:
@@ -365,7 +361,7 @@ class NASPipeStrategy(StagePlacement):
             return
         self._stages_reported = True
         transport = self.engine.transport if self.engine is not None else None
-        sent = gather_objects(getattr(transport, "first_activation", None), self.world_size)
+        sent = gather_objects(transport.first_activation if transport is not None else None, self.world_size)
         sends = [sent[rank] for rank in self.layout.column(0)]
         if self.is_global_zero:
             costs, unit = self._split_costs

@@ -27,6 +27,7 @@ from lightning_naspipe.pipeline.lookahead import plan_step
 from lightning_naspipe.pipeline.microbatch import split_batch
 from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.pipeline.replicas import ReplicaGroup, ReplicaUpdates, ordered_sum
+from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule, with_ties
@@ -318,9 +319,9 @@ class Engine:
         self._clipping = self._update_clipping(module, plan.schedule.norms)
         if self.transport is not None:
             self.transport.begin_window(plan.run_schedule(), window.first_index)
-        start, waited = time.perf_counter(), getattr(self.transport, "wait_s", 0.0)
+        start, waited = time.perf_counter(), self._wait_s()
         executor.run(actions, window, update, residency.before_forward if residency else None)
-        self.busy_s += time.perf_counter() - start - (getattr(self.transport, "wait_s", 0.0) - waited)
+        self.busy_s += time.perf_counter() - start - (self._wait_s() - waited)
         if eligible:
             self.deferral.record(defer, executor.seconds_to_send)
         if residency is not None:
@@ -386,13 +387,26 @@ class Engine:
         stages = len(self.stage_blocks)
         if stages == 1 and not clips(module):
             return None
-        transport, device = self.transport, getattr(self.transport, "device", torch.device("cpu"))
+        transport = self.transport
+        device = transport.device if transport is not None else torch.device("cpu")
 
         def exchange(index: int) -> NormExchange:
             assert transport is not None
             return NormExchange(transport, self.stage, stages, index, device)
 
         return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
+
+    def _wait_s(self) -> float:
+        """Seconds this stage has waited for messages from other stages and its replicas."""
+        return ((self.transport.wait_s if self.transport is not None else 0.0)
+                + (self.replicas.wait_s if self.replicas is not None else 0.0))
+
+    @property
+    def failures(self) -> FailureBoard | None:
+        """Where this process posts the error that stops it, for the other processes to name (``None`` alone)."""
+        if self.transport is not None:
+            return self.transport.failures
+        return self.replicas.failures if self.replicas is not None else None
 
     def _executor(self, module: EngineModule, telemetry: StageTelemetry | None, defer_weight_grads: bool = False,
                   ties: TieRoutes | None = None, updates: ReplicaUpdates | None = None) -> StageExecutor:

@@ -15,15 +15,18 @@ from dataclasses import dataclass, field
 import time
 from typing import Any, Protocol, TypeVar
 
+import torch
 from torch import Tensor
 
-from lightning_naspipe.transport.boundary import backward_through, cut, device_of, leaf_grads
+from lightning_naspipe.transport.boundary import Gradients, backward_through, cut, device_of, leaf_grads
+from lightning_naspipe.transport.failures import FailureBoard
+from lightning_naspipe.transport.torch_links import IdleWork
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import keyed_rng
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.pipeline.replicas import ReplicaUpdates
 from lightning_naspipe.space.choice import Architecture
-from lightning_naspipe.space.supernet import Supernet
+from lightning_naspipe.space.supernet import BlockValue, Supernet, describe
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
 from lightning_naspipe.pipeline.ties import TieRoutes
 from lightning_naspipe.pipeline.weight_grads import DeferredWeights
@@ -45,7 +48,35 @@ def loss_context() -> tuple[int, list[Any]] | None:
 
 
 class Transport(Protocol):
-    """Moves activations to the next stage and gradients to the previous one (see ``transport.py``)."""
+    """Moves activations to the next stage and gradients to the previous one, one stage's end of the links
+    (:class:`~lightning_naspipe.transport.p2p.P2PTransport` between stage processes)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where received tensors are placed (the stage's compute device)."""
+        ...
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting for messages so far (the rest of a window's run is busy time)."""
+        ...
+
+    @property
+    def first_activation(self) -> str | None:
+        """The first activation this stage sent, in short (:func:`.supernet.describe`); ``None`` before one."""
+        ...
+
+    @property
+    def failures(self) -> FailureBoard | None:
+        """Where a failing stage posts its error for the others to name; ``None`` where no one reads it."""
+        ...
+
+    #: Work a receive may do while its message is not there yet (e.g. reading the next batches).
+    idle: IdleWork | None
+
+    def close(self) -> None:
+        """Release the links; the transport is unusable afterwards."""
+        ...
 
     def begin_window(self, schedule: Schedule, first_index: int) -> None: ...
 
@@ -53,24 +84,24 @@ class Transport(Protocol):
 
     def drop_from(self, first_index: int) -> None: ...
 
-    def share(self, value: Any) -> Any: ...
+    def share(self, value: BlockValue) -> BlockValue: ...
 
     def share_window_end(self, losses: Sequence[Tensor | None], flags: Sequence[int],
                          records: list[Any] | None = None) -> tuple[list[Tensor], list[int], list[Any]]:
         """The last stage's losses and ``records``, and the flags the stages agree on, on every stage."""
         ...
 
-    def send_activation(self, subnet: int, chunk: int, value: Any) -> None: ...
+    def send_activation(self, subnet: int, chunk: int, value: BlockValue) -> None: ...
 
-    def recv_activation(self, subnet: int, chunk: int) -> Any: ...
+    def recv_activation(self, subnet: int, chunk: int) -> BlockValue: ...
 
-    def send_gradient(self, subnet: int, chunk: int, value: Any) -> None: ...
+    def send_gradient(self, subnet: int, chunk: int, value: Gradients) -> None: ...
 
-    def recv_gradient(self, subnet: int, chunk: int) -> Any: ...
+    def recv_gradient(self, subnet: int, chunk: int) -> Gradients: ...
 
-    def send_value(self, stage: int, value: Any) -> None: ...
+    def send_value(self, stage: int, value: BlockValue) -> None: ...
 
-    def recv_value(self, stage: int) -> Any: ...
+    def recv_value(self, stage: int) -> BlockValue: ...
 
     def send_norms(self, subnet: int, stage: int, value: Any) -> None:
         """Send a neighbouring ``stage`` subnet ``subnet``'s gradient-norm message (see :mod:`.grad_norm`)."""
@@ -268,7 +299,7 @@ class StageExecutor:
             finally:
                 _LOSS_CONTEXT.reset(token)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
-                raise TypeError(f"compute_loss must return a scalar tensor, got {_describe(loss)}.")
+                raise TypeError(f"compute_loss must return a scalar tensor, got {describe(loss)}.")
             if len(window.pieces[k]) > 1:
                 loss = loss * weight
             window.chunk_losses[k][self.chunk_offset + c] = loss.detach()
@@ -352,9 +383,3 @@ class StageExecutor:
         if self.ties is not None:  # a tied copy's contribution is sent before the weight passes: one pass for it
             params = self.ties.ties.owned(self.stage, params)
         return deferred.backward(outputs, grads, inputs, params)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.space.choice import candidates_of
 from lightning_naspipe.space.supernet import Supernet
 
 
@@ -27,11 +27,8 @@ def block_weights(supernet: Supernet) -> list[float]:
     """Each block's expected parameter count for one subnet (at least 1)."""
     weights = []
     for block in supernet.blocks:
-        if isinstance(block, ChoiceBlock):
-            weight = sum(_numel(c) for c in block.candidates) / len(block)
-        else:
-            weight = float(_numel(block))
-        weights.append(max(weight, 1.0))
+        candidates = candidates_of(block)
+        weights.append(max(sum(_numel(c) for c in candidates) / len(candidates), 1.0))
     return weights
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.transport.failures import FailureBoard
 
 __all__ = ["ReplicaGroup", "ReplicaUpdates", "ordered_sum"]
 
@@ -51,6 +52,16 @@ class ReplicaGroup(Protocol):
     @property
     def replicas(self) -> int:
         """How many replicas the stage has."""
+        ...
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting for another replica so far."""
+        ...
+
+    @property
+    def failures(self) -> FailureBoard | None:
+        """Where a failing process posts its error for the others to name; ``None`` where no one reads it."""
         ...
 
     def send_next(self, value: Any) -> None:

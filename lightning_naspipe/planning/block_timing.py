@@ -12,13 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_naspipe.transport.boundary import map_tensors
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning.block_cost import BlockFailure, time_paths
 from lightning_naspipe.planning.space_spec import block_cost_ms
-from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.space.choice import candidates_of
 from lightning_naspipe.space.supernet import Supernet
 
 
@@ -41,7 +40,7 @@ def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int =
     Raises:
         NASPipeConfigError: a block cannot run on the example input (or on the previous block's output).
     """
-    copies = [[copy.deepcopy(op) for op in _candidates(block)[:per_block]] for block in supernet.blocks]
+    copies = [[copy.deepcopy(op) for op in candidates_of(block)[:per_block]] for block in supernet.blocks]
     if device is not None:
         copies = [[op.to(device) for op in ops] for ops in copies]
         example_input = map_tensors(lambda t: t.to(device), example_input)
@@ -74,9 +73,5 @@ def agreed_timed_weights(supernet: Supernet, example_input: Any, timing_rank: bo
         raise NASPipeConfigError(message)
     assert weights is not None
     return list(weights)
-
-
-def _candidates(block: nn.Module) -> list[nn.Module]:
-    return list(block.candidates) if isinstance(block, ChoiceBlock) else [block]
 
 

@@ -29,7 +29,7 @@ from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.planning.block_cost import holds_state, time_paths
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
 from lightning_naspipe.pipeline.sampling import uniform_architecture
-from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.space.choice import ChoiceBlock, candidates_of
 from lightning_naspipe.space.supernet import Supernet
 
 __all__ = ["profile_supernet"]
@@ -78,7 +78,7 @@ def profile_supernet(supernet: Supernet, sample_input: Any, repeats: int = 3,
 def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats: int,
                     clock: Callable[[], float]) -> tuple[list[BlockSpec], float]:
     """Per-candidate costs, and the update's per resource, training paths through every candidate."""
-    ops = [list(b.candidates) if isinstance(b, ChoiceBlock) else [b] for b in net.blocks]
+    ops = [candidates_of(b) for b in net.blocks]
     times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())), deferred=True)
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
                         [CandidateSpec(*times.cost_ms(i, k), holds_state(op), any(True for _ in op.buffers()),

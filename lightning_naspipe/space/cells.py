@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_naspipe.space.choice import InputChoice, When
+from lightning_naspipe.space.supernet import describe
 from lightning_naspipe.errors import NASPipeConfigError
 
 __all__ = ["Cell", "Zero"]
@@ -160,7 +161,7 @@ class _Entry(nn.Module):
                 isinstance(t, Tensor) for t in raw):
             wanted = "a tensor" if self.inputs == 1 else f"a tuple of {self.inputs} tensors"
             raise NASPipeConfigError(
-                f"A Cell with inputs={self.inputs} takes {wanted}, got {_describe(value)}; make the block before "
+                f"A Cell with inputs={self.inputs} takes {wanted}, got {describe(value)}; make the block before "
                 "it return that (a DARTS cell before it: chain=True)."
             )
         states: list[Tensor] = list(raw)
@@ -203,12 +204,6 @@ class _Exit(nn.Module):
         nodes = cast("list[Tensor]", list(state[self.first:]))  # every node's last edge checked it is set
         out = nodes[0] if len(nodes) == 1 else torch.cat(nodes, dim=1)
         return (state[0], out) if self.chain else out
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of " + ", ".join(type(v).__name__ for v in value)
-    return f"a {type(value).__name__}"
 
 
 def _check_arguments(nodes: int, op: object, inputs: int, choose: int | None, output: str, prefix: str,

@@ -95,6 +95,11 @@ class ChoiceBlock(nn.Module):
         return self.candidates[self.chosen_index()](*args, **kwargs)
 
 
+def candidates_of(block: nn.Module) -> list[nn.Module]:
+    """The ops a supernet block chooses among: a :class:`ChoiceBlock`'s candidates, else the block itself."""
+    return list(block.candidates) if isinstance(block, ChoiceBlock) else [block]
+
+
 class InputChoice(ChoiceBlock):
     """Chooses ``chosen`` of ``candidates`` inputs (like NNI's ``InputChoice``).
 

@@ -16,18 +16,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
-from torch import nn
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
 
 from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Scope, When, active_architecture, block_scope
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.freezing import freeze
 
-__all__ = ["Resource", "ResourceState", "Supernet"]
+__all__ = ["BlockValue", "Resource", "ResourceState", "Supernet", "describe"]
 
 #: A resource's key: the path of its first scope, e.g. ``(block, candidate)``; candidate ``-1``
 #: for a fixed block, longer paths for nested choices (see :class:`~.choice.Scope`).
 Resource = tuple[int, ...]
+
+#: A value one block passes to the next, and so one stage to the next: a tensor, or any nesting of
+#: tuples, lists and dicts of tensors and plain Python values (see :class:`Supernet`). Its structure
+#: is the user's, so to the type checker it is ``Any``; the name says what flows.
+BlockValue: TypeAlias = Any
 
 
 @dataclass(frozen=True)
@@ -279,3 +286,25 @@ def supernet_of(module: object) -> Supernet:
             "__init__."
         )
     return supernet
+
+
+def describe(value: BlockValue) -> str:
+    """A value between blocks in short (for errors and the stage table): its structure, dtypes and shapes."""
+    if isinstance(value, Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return type(value).__name__
+    if isinstance(value, (tuple, list)):
+        parts: list[str] = []
+        for item in value:
+            text = describe(item)
+            if parts and parts[-1].split(" x")[0] == text:
+                count = int(parts[-1].split(" x")[1]) + 1 if " x" in parts[-1] else 2
+                parts[-1] = f"{text} x{count}"
+            else:
+                parts.append(text)
+        return f"{type(value).__name__}({', '.join(parts)})"
+    if isinstance(value, dict):
+        return "dict(" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + ")"
+    leaves = pytree.tree_leaves(value)
+    return f"{type(value).__name__}({len(leaves)} leaves)"

@@ -20,13 +20,17 @@ is then the same computation on the same values whatever the partition, and so i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
 CONTIGUOUS, CHANNELS_LAST = 0, 1
+
+#: What crosses a block boundary backwards: one gradient per tensor of the value that requires grad
+#: (:func:`grad_targets`), ``None`` where none flowed.
+Gradients: TypeAlias = tuple[Tensor | None, ...]
 
 
 def layout_of(tensor: Tensor) -> int:
@@ -90,7 +94,7 @@ def backward_through(outputs: Any, grads: Sequence[Tensor | None]) -> None:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
-def leaf_grads(inputs: Any) -> tuple[Tensor | None, ...]:
+def leaf_grads(inputs: Any) -> Gradients:
     """The gradients a block's input leaves received (``None`` where none flowed), in boundary layout
     as the transport would deliver them (autograd already lays a leaf's gradient out like the leaf)."""
     return tuple(None if t.grad is None else laid_out(t.grad) for t in grad_targets(inputs))
@@ -101,25 +105,3 @@ def device_of(value: Any) -> torch.device:
     for tensor in tensors_in(value):
         return tensor.device
     return torch.device("cpu")
-
-
-def describe(value: Any) -> str:
-    """A short description of a boundary value: its structure, dtypes and shapes."""
-    if isinstance(value, Tensor):
-        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
-    if value is None or isinstance(value, (int, float, str, bool)):
-        return type(value).__name__
-    if isinstance(value, (tuple, list)):
-        parts: list[str] = []
-        for item in value:
-            text = describe(item)
-            if parts and parts[-1].split(" x")[0] == text:
-                count = int(parts[-1].split(" x")[1]) + 1 if " x" in parts[-1] else 2
-                parts[-1] = f"{text} x{count}"
-            else:
-                parts.append(text)
-        return f"{type(value).__name__}({', '.join(parts)})"
-    if isinstance(value, dict):
-        return "dict(" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + ")"
-    leaves = pytree.tree_leaves(value)
-    return f"{type(value).__name__}({len(leaves)} leaves)"

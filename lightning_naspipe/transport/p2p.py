@@ -31,7 +31,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.transport.failures import FailureBoard, default_store
 from lightning_naspipe.pipeline.actions import NORMS, Schedule
 from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
-from lightning_naspipe.transport.boundary import describe
+from lightning_naspipe.space.supernet import describe
 from lightning_naspipe.transport.torch_links import IdleWork, TorchLinks
 
 #: How messages travel: ``"auto"`` (shared memory where possible), ``"shared_memory"`` or ``"torch"``.

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.transport.p2p import StageFailure
 from lightning_naspipe.transport.torch_links import TorchLinks
 
@@ -42,20 +43,21 @@ class ReplicaLinks:
     Args:
         replica: this process's replica.
         ranks: the global rank of each replica of this stage, in replica order.
-        names: how errors name each of those ranks (e.g. ``"stage 1 replica 0 (rank 2)"``).
+        names: how errors name each global rank, indexed by it (e.g. ``"stage 1 replica 0 (rank 2)"``).
         group: the process group of exactly those ranks (for :meth:`gather`).
         device: the stage's compute device (message buffers live there with NCCL).
         timeout: how long a receive may wait before the peer is declared lost.
+        failures: where processes post the error that stopped them (shared with the stage's transport).
     """
 
     def __init__(self, replica: int, ranks: Sequence[int], names: Sequence[str], group: Any, device: torch.device,
-                 timeout: timedelta) -> None:
+                 timeout: timedelta, failures: FailureBoard | None = None) -> None:
         self._replica = replica
+        self._failures = failures
         self.ranks = list(ranks)
         self.names = list(names)
         self.group = group
-        #: Seconds spent waiting for another replica's sum (the rest of an update is busy time).
-        self.wait_s = 0.0
+        self._wait_s = 0.0
         wire = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.links = TorchLinks(self.ranks, wire, timeout, self._waited, self._lost)
 
@@ -66,6 +68,15 @@ class ReplicaLinks:
     @property
     def replicas(self) -> int:
         return len(self.ranks)
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting for another replica's sum (the rest of an update is busy time)."""
+        return self._wait_s
+
+    @property
+    def failures(self) -> FailureBoard | None:
+        return self._failures
 
     def send_next(self, value: Any) -> None:
         self.links.send(self._replica + 1, value)
@@ -91,11 +102,12 @@ class ReplicaLinks:
         self.links.flush()
 
     def _waited(self, seconds: float, end: float) -> None:
-        self.wait_s += seconds
+        self._wait_s += seconds
 
     def _lost(self, replica: int | None, error: BaseException) -> StageFailure:
+        causes = "".join(f"\n{cause}" for cause in self._failures.causes()) if self._failures is not None else ""
         if replica is None:
-            return StageFailure(f"{self.names[self._replica]} could not deliver a message to another replica of its "
-                                f"stage: it failed or exited ({error}).")
-        return StageFailure(f"Pipeline {self.names[replica]} failed or exited: it stopped sending ({error}). See "
-                            "that process's own error output for the cause.")
+            return StageFailure(f"{self.names[self.ranks[self._replica]]} could not deliver a message to another "
+                                f"replica of its stage: it failed or exited ({error}).{causes}")
+        return StageFailure(f"Pipeline {self.names[self.ranks[replica]]} failed or exited: it stopped sending "
+                            f"({error})." + (causes or " See that process's own error output for the cause."))

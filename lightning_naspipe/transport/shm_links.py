@@ -177,7 +177,8 @@ class SharedMemoryLinks:
             reading = self._reading[stage] = (ring_id, _Ring(_path(self.folder, "ring", stage, self.stage, ring_id)))
         message = reading[1].view(start, nbytes).clone()
         try:
-            os.write(self._fds[("acks", stage, self.stage)], _ACK.pack(ring_id, start + _aligned(nbytes)))
+            end = start + wire_format.aligned(nbytes, _ALIGN)
+            os.write(self._fds[("acks", stage, self.stage)], _ACK.pack(ring_id, end))
         except (BlockingIOError, BrokenPipeError):  # a later ack supersedes it; a gone sender shows on receive
             pass
         return wire_format.unpack(message)
@@ -205,7 +206,7 @@ class SharedMemoryLinks:
 
     def _reserve(self, stage: int, nbytes: int) -> int:
         """Where a message of ``nbytes`` starts in the ring to ``stage`` (a new ring if it does not fit)."""
-        size = _aligned(nbytes)
+        size = wire_format.aligned(nbytes, _ALIGN)
         ring = self._ring.get(stage)
         if ring is not None:
             start = self._head[stage]
@@ -294,7 +295,3 @@ def _path(folder: str, kind: str, src: int, dst: int, ring_id: int | None = None
     if ring_id is None:  # a FIFO, inside the run's folder
         return os.path.join(folder, f"{kind}-{src}-{dst}")
     return f"{folder}-{kind}-{src}-{dst}-{ring_id}"
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN

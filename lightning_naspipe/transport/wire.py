@@ -89,14 +89,14 @@ def pack(value: Any, device: torch.device, allocate: Callable[[int], Tensor] | N
             raise TypeError(f"a stage-boundary tensor has dtype {t.dtype}, which the transport cannot send; "
                             f"use one of {', '.join(str(d) for d in DTYPES)}")
         header += [CODE[t.dtype], int(t.requires_grad), layout_of(t), t.dim(), *t.shape]
-    total = _aligned(_SLOT * len(header))
+    total = aligned(_SLOT * len(header))
     structure_at = total
-    total = _aligned(total + len(structure))
+    total = aligned(total + len(structure))
     offsets = []
     for t in tensors:
         offsets.append(total)
         if t is not None:
-            total = _aligned(total + t.numel() * t.element_size())
+            total = aligned(total + t.numel() * t.element_size())
     header[1], header[2] = total, len(header)
     buffer = allocate(total) if allocate is not None else torch.empty(total, dtype=torch.uint8, device=device)
     buffer[: _SLOT * len(header)].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
@@ -129,8 +129,8 @@ def unpack(buffer: Tensor) -> Any:
     slots = int(buffer[2 * _SLOT: 3 * _SLOT].view(torch.int64).item())
     header = buffer[: _SLOT * slots].view(torch.int64).tolist()
     kind, count, structure_bytes, pos = header[3], header[4], header[5], 6
-    structure_at = _aligned(_SLOT * slots)
-    offset = _aligned(structure_at + structure_bytes)
+    structure_at = aligned(_SLOT * slots)
+    offset = aligned(structure_at + structure_bytes)
     tensors: list[Tensor | None] = []
     for _ in range(count):
         code, requires_grad, layout, ndim = header[pos: pos + 4]
@@ -140,7 +140,7 @@ def unpack(buffer: Tensor) -> Any:
             tensors.append(None)
             continue
         t = _view(buffer, offset, DTYPES[code], shape, layout).detach()
-        offset = _aligned(offset + t.numel() * t.element_size())
+        offset = aligned(offset + t.numel() * t.element_size())
         tensors.append(t.requires_grad_(bool(requires_grad)))
     if kind == TENSOR:
         return tensors[0]
@@ -161,5 +161,6 @@ def _view(buffer: Tensor, offset: int, dtype: torch.dtype, shape: Any, layout: i
     return flat.view(shape)
 
 
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
+def aligned(size: int, align: int = ALIGN) -> int:
+    """``size`` rounded up to a multiple of ``align`` (a message's parts, and a shared-memory ring's messages)."""
+    return -(-size // align) * align
