@@ -293,6 +293,15 @@ def test_pytree() -> None:
     assert pytree.tree_map(lambda leaf: leaf, value)["x"][0] is leaves[0]
 
 
+def test_tensor_version_counter() -> None:
+    buffer = torch.zeros(2)
+    before = buffer._version
+    buffer += 1
+    assert buffer._version > before
+    buffer.detach()  # reading or detaching changes nothing
+    assert buffer._version == before + 1
+
+
 def test_module_buffers_and_modules() -> None:
     norm = nn.BatchNorm1d(2)
     assert list(norm._buffers) == ["running_mean", "running_var", "num_batches_tracked"]

@@ -7,6 +7,9 @@ micro-batch order (lightning_naspipe/pipeline/replicas.py).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import torch
 
 import lightning_naspipe as lnp
 from helpers import assert_same_state
-from test_pipeline import _launch, _plain_state, _state
+from test_pipeline import SCRIPT, _env, _launch, _plain_state, _state
 
 pytestmark = pytest.mark.slow
 
@@ -34,3 +37,40 @@ def test_replicas_equal_the_plain_trainer(tmp_path: Path, plain_chunks4: dict, d
     for rank in range(devices):  # every rank holds the whole trained supernet after fit
         weights = torch.load(f"{ckpt}.rank{rank}")
         assert all(torch.equal(weights[k], plain_chunks4["model"][k]) for k in plain_chunks4["model"])
+
+
+def test_resume_from_two_by_two_onto_other_layouts(tmp_path: Path, plain_chunks4: dict) -> None:
+    """A checkpoint of S=2 x D=2 (mid-window, step 10) resumes on S=1 x D=2 and on S=3 x D=1, bitwise."""
+    stop = _launch(tmp_path, "--devices", "4", "--num-stages", "2", "--window", "4", "--chunks", "4",
+                   "--max-steps", "10", name="stop")
+    for devices, stages in ((2, 1), (3, 3)):
+        resumed = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--window", "8",
+                          "--chunks", "4", "--resume", str(stop), name=f"resumed{devices}")
+        assert_same_state(plain_chunks4, _state(resumed))
+
+
+@pytest.mark.parametrize("signum", [0, 9], ids=["raised", "killed"])
+def test_a_failed_replica_ends_the_run_naming_it(tmp_path: Path, signum: int) -> None:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "k.ckpt"), "--devices", "4", "--num-stages", "2",
+         "--chunks", "4", "--window", "4", "--kill-stage", "3", "--kill-step", "8", "--kill-signal", str(signum)],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 150, "the processes waited for a timeout"
+    last_words = proc.stderr.strip().splitlines()[-3:]  # rank 0's report, the error the user sees
+    assert any("failed or exited" in line for line in last_words), proc.stderr[-3000:]
+    if signum == 0:
+        assert any("Pipeline stage 1 replica 1 (rank 3) raised ValueError: injected failure on rank 3" in line
+                   for line in last_words), proc.stderr[-3000:]
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "k.ckpt")], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
+
+
+def test_chunks_the_replicas_cannot_share_are_refused(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "bad.ckpt"), "--devices", "2",
+                           "--num-stages", "1", "--chunks", "3"],
+                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "chunks must be a multiple of 2" in proc.stderr, proc.stderr[-3000:]
