@@ -74,3 +74,52 @@ def test_chunks_the_replicas_cannot_share_are_refused(tmp_path: Path) -> None:
                           env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "chunks must be a multiple of 2" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_two_by_two_with_rebalancing_offload_validation_and_search(tmp_path: Path, plain_chunks4: dict) -> None:
+    """Blocks move every window (replicas of a stage always hold the same ones), offloaded; validation after fit
+    and lnp.search run on all four ranks with the one-device results."""
+    from pipeline_run import SEARCHER
+
+    from helpers import toy_loader, train
+
+    ckpt = _launch(tmp_path, "--devices", "4", "--num-stages", "2", "--window", "4", "--chunks", "4",
+                   "--force-rebalance", "--offload", "--search")
+    assert_same_state(plain_chunks4, _state(ckpt))
+    splits = [torch.load(f"{ckpt}.ranges{rank}", weights_only=False) for rank in range(4)]
+    assert all(split == splits[0] for split in splits) and len(splits[0]) == 2
+    assert len(Path(f"{ckpt}.moves").read_text().split("\n")[:-1]) >= 4 * 6  # every rank moved, every window
+    model, trainer = train(lnp.NASPipeStrategy(window=8, chunks=4), max_epochs=2)
+    expected = lnp.search(trainer, model, SEARCHER, toy_loader(samples=40, shuffle=False),
+                          calibration=toy_loader(samples=16, shuffle=False)).history
+    for rank in range(4):
+        assert torch.load(f"{ckpt}.search{rank}", weights_only=False) == expected
+
+
+def test_two_by_two_with_lookahead_equals_the_plain_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A choice of stems lets stage 0 run the next window's forwards in this window's drain, on every replica."""
+    monkeypatch.setenv("LNP_TEST_CHOICE_STEM", "1")
+    plain = _plain_state(tmp_path, strategy=lnp.NASPipeStrategy(window=8, chunks=4), max_epochs=2)
+    ckpt = _launch(tmp_path, "--devices", "4", "--num-stages", "2", "--window", "4", "--chunks", "4",
+                   LNP_TEST_CHOICE_STEM="1")
+    assert_same_state(plain, _state(ckpt))
+    assert sum(torch.load(f"{ckpt}.ahead{rank}") for rank in (0, 1)) > 0, "no forward ran ahead"
+
+
+def test_replicas_log_and_validate_as_the_plain_trainer(tmp_path: Path) -> None:
+    """Every subnet's loss at its own step, validation each epoch and ModelCheckpoint(monitor="val_loss"),
+    with one stage of two replicas: the plain run's rows."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    from helpers import toy_loader, train
+    from test_loss_log import logged_rows
+
+    _launch(tmp_path, "--devices", "2", "--num-stages", "1", "--chunks", "4", "--log-dir", str(tmp_path / "piped"),
+            lightning_launcher=True)
+    train(lnp.NASPipeStrategy(window=8, chunks=4), max_epochs=2,
+          logger=CSVLogger(tmp_path / "plain", name="", version=""), log_every_n_steps=1, loader=toy_loader(),
+          val_loader=toy_loader(samples=40, shuffle=False))
+    rows = logged_rows(tmp_path / "plain")
+    assert [step for step, _, key, _ in rows if key == "train_loss_step"] == [str(s) for s in range(24)]
+    assert any(key == "val_loss" for _, _, key, _ in rows)
+    assert logged_rows(tmp_path / "piped") == rows

@@ -23,6 +23,17 @@ def test_table_has_a_row_per_stage_with_its_blocks_labels_parameters_cost_and_se
     assert rows[0] == ["stage", "blocks", "labels", "parameters", "cost", "sends to the next stage"]
     assert rows[1] == ["0", "0-1", "a", "32", "75% (ms)", "float32[8, 4]"]
     assert rows[2] == ["1", "2-2", "b", "20", "25% (ms)", "-"]
+    one_rank_each = stage_table(net, [range(0, 2), range(2, 3)], [1.0, 2.0, 1.0], "ms", ["float32[8, 4]", None],
+                                [[0], [1]])
+    assert one_rank_each == table  # no ranks column without replicas
+
+def test_replicas_are_named_by_their_ranks() -> None:
+    net = lnp.Supernet(nn.Linear(2, 4), nn.Linear(4, 4))
+    table = stage_table(net, [range(0, 1), range(1, 2)], [1.0, 1.0], "params", ["float32[8, 4]", None],
+                        [[0, 1], [2, 3]])
+    rows = [[cell.strip() for cell in line.split("|")] for line in table.splitlines()]
+    assert rows[0][:3] == ["stage", "ranks", "blocks"] and rows[1][:3] == ["0", "0, 1", "0-0"]
+    assert rows[2][:3] == ["1", "2, 3", "1-1"]
 
 
 def test_a_hint_names_the_blocks_that_serialise_every_stage_at_chunks_1() -> None:

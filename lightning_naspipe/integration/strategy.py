@@ -365,7 +365,8 @@ class NASPipeStrategy(StagePlacement):
         sends = [sent[rank] for rank in self.layout.column(0)]
         if self.is_global_zero:
             costs, unit = self._split_costs
-            table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends)
+            table = stage_table(supernet_of(self.lightning_module), self.stage_ranges, costs, unit, sends,
+                                [self.layout.replica_ranks(s) for s in range(self.layout.stages)])
             hint = chunks_hint(supernet_of(self.lightning_module), self.stage_ranges, self.chunks)
             self._info(f"NASPipe stages:\n{table}" + (f"\n{hint}" if hint else ""))
 

@@ -5,7 +5,8 @@
     1     | 5-18   | e03, e13, e23   | 5,678      | 52% (ms)      | -
 
 ``cost`` is each stage's share of the block costs the split balanced: measured time (``ms``) or,
-without a measurement, expected parameters per subnet (``params``).
+without a measurement, expected parameters per subnet (``params``). With data-parallel replicas a
+``ranks`` column names each stage's processes (``2, 3``: stage 1's two replicas).
 """
 
 from __future__ import annotations
@@ -17,17 +18,21 @@ from lightning_naspipe.space.supernet import Supernet
 
 
 def stage_table(supernet: Supernet, ranges: Sequence[range], weights: Sequence[float], unit: str,
-                sends: Sequence[str | None]) -> str:
-    """The table (see the module docstring); ``sends[s]`` describes what stage ``s`` sends on."""
+                sends: Sequence[str | None], ranks: Sequence[Sequence[int]] | None = None) -> str:
+    """The table (see the module docstring); ``sends[s]`` describes what stage ``s`` sends on; ``ranks[s]``:
+    stage ``s``'s processes, shown when a stage has several (data-parallel replicas)."""
     total = sum(weights) or 1.0
-    rows = [("stage", "blocks", "labels", "parameters", "cost", "sends to the next stage")]
+    replicated = ranks is not None and any(len(r) > 1 for r in ranks)
+    rows = [("stage", *(("ranks",) if replicated else ()), "blocks", "labels", "parameters", "cost",
+             "sends to the next stage")]
     for s, blocks in enumerate(ranges):
         labels = sorted({label for i in blocks for scope in supernet.block_scopes(i).walk()
                          for label, _, _ in scope.choices}, key=list(supernet.labels).index)
         shown = ", ".join(labels[:6]) + (f", ... ({len(labels)})" if len(labels) > 6 else "")
         params = {id(p): p.numel() for i in blocks for p in supernet.blocks[i].parameters()}
         share = sum(weights[i] for i in blocks) / total
-        rows.append((str(s), f"{blocks.start}-{blocks.stop - 1}", shown or "-", f"{sum(params.values()):,}",
+        named = (", ".join(map(str, ranks[s])),) if replicated and ranks is not None else ()
+        rows.append((str(s), *named, f"{blocks.start}-{blocks.stop - 1}", shown or "-", f"{sum(params.values()):,}",
                      f"{share:.0%} ({unit})", sends[s] or "-"))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return "\n".join(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

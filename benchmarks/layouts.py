@@ -1,0 +1,90 @@
+"""Layouts side by side: the space zoo with ``chunks=2`` everywhere on 1 device, 2 stages and 2 replicas.
+
+Each space of ``zoo_spaces.py`` is trained with default settings but ``chunks=2`` (so that two replicas
+can share every batch), in four configurations that give bitwise the same result:
+
+- ``1 device``: ``NASPipeStrategy(chunks=2)`` on one process (the sequential engine);
+- ``2 stages``: ``NASPipeStrategy(chunks=2)`` on 2 processes, one stage each (S=2, D=1);
+- ``2 replicas``: ``NASPipeStrategy(chunks=2, num_stages=1)`` on 2 processes (S=1, D=2);
+- ``auto``: ``NASPipeStrategy(chunks=2, num_stages="auto")`` on 2 processes, and the layout it chose.
+
+Rounds rotate the order of the configurations; ratios are taken within a round against its 1-device
+run, and the table gives medians over ``--repeats`` rounds. Run from the repository root::
+
+    python benchmarks/layouts.py                      # every zoo space, 3 rounds
+    python benchmarks/layouts.py --quick --repeats 1  # smaller models, fewer subnets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from typing import Any
+
+import lightning_naspipe as lnp
+from common import add_common_args, fit_timed, launch, machine, ok, ran_as_worker, rate, ratio, rotated_rounds
+from common import write_json
+from zoo_spaces import SPACES, space
+
+BASE, STAGES, REPLICAS, AUTO = "1 device", "2 stages", "2 replicas", "auto"
+CONFIGS = (BASE, STAGES, REPLICAS, AUTO)
+CHUNKS = 2
+#: Per configuration: processes and ``num_stages``.
+LAYOUTS: dict[str, tuple[int, Any]] = {BASE: (1, None), STAGES: (2, None), REPLICAS: (2, 1), AUTO: (2, "auto")}
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    """Train one configuration of one space; rank 0 writes the result and the layout used."""
+    chosen = space(cfg["space"], cfg["quick"])
+    processes, num_stages = LAYOUTS[cfg["config"]]
+    strategy = lnp.NASPipeStrategy(chunks=CHUNKS, num_stages=num_stages)
+    fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, processes)
+    if strategy.is_global_zero:
+        with open(cfg["out"]) as f:
+            result = json.load(f)
+        layout = strategy.layout
+        result["layout"] = f"S={layout.stages} D={layout.replicas}"
+        with open(cfg["out"], "w") as f:
+            json.dump(result, f)
+
+
+def run(name: str, space_name: str, quick: bool) -> Any:
+    chosen = space(space_name, quick)
+    cfg = {"space": space_name, "quick": quick, "config": name, "processes": LAYOUTS[name][0],
+           "subnets": chosen.subnets, "warmup": chosen.warmup, "batch": chosen.batch}
+    return launch(__file__, cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(SPACES))
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer subnets")
+    args = parser.parse_args()
+    if ran_as_worker(args, worker):
+        return
+    rounds = rotated_rounds(CONFIGS, args.spaces, args.repeats, lambda c, s: run(c, s, args.quick))
+    print(f"\n{machine()}; chunks={CHUNKS}; {args.repeats} round(s); medians of subnets/s and of ratios to 1 device")
+    print(f"{'space':<14}{'1 device/s':>12}{'2 stages':>10}{'2 replicas':>12}{'auto':>8}  auto chose")
+    summary = {}
+    for name, results in rounds.items():
+        def median(values: list[float]) -> float:
+            kept = [v for v in values if not math.isnan(v)]
+            return statistics.median(kept) if kept else float("nan")
+
+        ratios = {c: median([ratio(r[c], r[BASE]) for r in results]) for c in CONFIGS[1:]}
+        chose = sorted({r[AUTO].get("layout", "-") for r in results if ok(r[AUTO])}) or ["failed"]
+        summary[name] = {"base": median([rate(r[BASE]) for r in results]), **ratios, "auto_chose": chose,
+                         "errors": [f"{c}: {r[c]['error']}" for r in results for c in CONFIGS if not ok(r[c])]}
+        print(f"{name:<14}{summary[name]['base']:>12.2f}{ratios[STAGES]:>9.2f}x{ratios[REPLICAS]:>11.2f}x"
+              f"{ratios[AUTO]:>7.2f}x  {', '.join(chose)}")
+        for error in summary[name]["errors"]:
+            print(f"  failed: {error}")
+    if args.json:
+        write_json(args.json, {"machine": machine(), "chunks": CHUNKS, "rounds": rounds, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
