@@ -55,6 +55,12 @@ class _Group:
         self.world.barrier.wait(timeout=30)
         return list(self.world.parts)
 
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 class _World:
     def __init__(self, size: int) -> None:

@@ -234,7 +234,7 @@ class NASPipeStrategy(StagePlacement):
             failures = transport.failures if transport is not None else FailureBoard(default_store(), self.global_rank,
                                                                                      names)
             replicas = ReplicaLinks(self.replica, layout.replica_ranks(self.stage), names, replica_group,
-                                    self.root_device, self.timeout, failures)
+                                    self.root_device, self.timeout, failures, self.transport, self.receive_spin_s)
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload,
                              defer_weight_grads=self.defer_weight_grads, replicas=replicas)

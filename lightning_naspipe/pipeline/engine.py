@@ -228,10 +228,14 @@ class Engine:
         self._replica_updates: ReplicaUpdates | None = None
 
     def close(self) -> None:
-        """Release what the engine attached to the module (the replicas' BatchNorm hooks)."""
+        """Release the links to the other replicas and what the engine attached to the module (their
+        BatchNorm hooks)."""
         if self._replica_updates is not None:
             self._replica_updates.close()
             self._replica_updates = None
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
 
     @property
     def blocks(self) -> range:
@@ -341,6 +345,7 @@ class Engine:
                 losses, agreed, own.records = self.transport.share_window_end(own.losses, agreed, own.records)
                 own.losses = list(losses)
             if self.replicas is not None:  # the columns agree too: a flag set in any of them
+                self.replicas.flush()
                 agreed = [max(flags) for flags in zip(*self.replicas.gather(agreed))]
             if self.signals is not None:
                 self.signals.agreed(agreed)

@@ -80,6 +80,14 @@ class ReplicaGroup(Protocol):
         """Every replica's ``value``, in replica order (collective over the stage's replicas)."""
         ...
 
+    def flush(self) -> None:
+        """Wait until every message this replica sent has been delivered (at a window's end)."""
+        ...
+
+    def close(self) -> None:
+        """Release the links; unusable afterwards."""
+        ...
+
 
 def ordered_sum(parts: Sequence[Tensor | None]) -> Tensor | None:
     """``parts`` summed left to right as autograd accumulates ``.grad`` (``None``: nothing flowed)."""

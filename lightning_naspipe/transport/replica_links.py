@@ -1,9 +1,10 @@
 """Messages among the data-parallel replicas of one stage (the :class:`~.pipeline.replicas.ReplicaGroup`
 the engine uses for its exact gradient reduction).
 
-The chain of partial sums travels point to point (:class:`.TorchLinks`, asynchronous sends, so a
-replica that passes its sum on computes on); what is small and per window (the last stage's
-per-micro-batch losses, agreed flags) goes through a collective over the stage's replica group.
+The chain of partial sums travels point to point between neighbouring replicas, down the chain and
+back (shared memory on one host, :class:`.SharedMemoryLinks`, else :class:`.TorchLinks`; sends never
+wait); what is small and per window (the last stage's per-micro-batch losses, agreed flags) goes
+through a collective over the stage's replica group.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_naspipe.transport.failures import FailureBoard
-from lightning_naspipe.transport.p2p import StageFailure
+from lightning_naspipe.transport.p2p import TRANSPORTS, StageFailure
+from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
 from lightning_naspipe.transport.torch_links import TorchLinks
 
 __all__ = ["ReplicaLinks", "layout_groups"]
@@ -48,18 +50,31 @@ class ReplicaLinks:
         device: the stage's compute device (message buffers live there with NCCL).
         timeout: how long a receive may wait before the peer is declared lost.
         failures: where processes post the error that stopped them (shared with the stage's transport).
+        links: how messages travel, as :class:`.P2PTransport`'s ``links``.
+        spin_s: with shared-memory links, how long a receive polls before it sleeps.
+
+    Building it is collective: every process of the run builds its own at the same time.
     """
 
     def __init__(self, replica: int, ranks: Sequence[int], names: Sequence[str], group: Any, device: torch.device,
-                 timeout: timedelta, failures: FailureBoard | None = None) -> None:
+                 timeout: timedelta, failures: FailureBoard | None = None, links: str = "auto",
+                 spin_s: float = 0.0) -> None:
         self._replica = replica
         self._failures = failures
         self.ranks = list(ranks)
         self.names = list(names)
         self.group = group
         self._wait_s = 0.0
-        wire = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.links = TorchLinks(self.ranks, wire, timeout, self._waited, self._lost)
+        if links not in TRANSPORTS:
+            raise ValueError(f"unknown links {links!r}; choose one of {TRANSPORTS}")
+        nccl = dist.get_backend() == "nccl"
+        self.links: SharedMemoryLinks | TorchLinks
+        if links != "torch" and not nccl and same_host(dist.get_world_size()):  # collective: every rank asks
+            self.links = SharedMemoryLinks.connect(replica, self.ranks, timeout, self._waited, self._lost, spin_s,
+                                                   group)
+        else:
+            self.links = TorchLinks(self.ranks, device if nccl else torch.device("cpu"), timeout, self._waited,
+                                    self._lost)
 
     @property
     def replica(self) -> int:
@@ -85,11 +100,10 @@ class ReplicaLinks:
         return self.links.recv(self._replica - 1)
 
     def from_last(self, value: Any) -> Any:
-        last = len(self.ranks) - 1
-        if self._replica != last:
-            return self.links.recv(last)
-        for replica in range(last):
-            self.links.send(replica, value)
+        if self._replica != len(self.ranks) - 1:  # relayed back down the chain
+            value = self.links.recv(self._replica + 1)
+        if self._replica > 0:
+            self.links.send(self._replica - 1, value)
         return value
 
     def gather(self, value: Any) -> list[Any]:
@@ -100,6 +114,10 @@ class ReplicaLinks:
     def flush(self) -> None:
         """Wait until every message this replica sent has been delivered."""
         self.links.flush()
+
+    def close(self) -> None:
+        """Release the links (shared memory, FIFOs)."""
+        self.links.close()
 
     def _waited(self, seconds: float, end: float) -> None:
         self._wait_s += seconds
