@@ -1,4 +1,5 @@
-"""Splitting a batch into micro-batches ("chunks") along the first dimension."""
+"""Batches and micro-batches: splitting a batch into ``chunks`` along the first dimension, and checking
+at fit start that a dataloader's batches split the same way on every stage."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Every candidate of every block is timed forward and backward (CPU wall time by default, after a
 warm-up round) while training paths through the supernet that cycle through the candidates, so
 inputs have the right shapes and caches are as cold as in training (:mod:`.block_cost`, reduced
-with :func:`~.block_cost.candidate_ms`, as the stage split is). The optimizer step is timed as the
+with :func:`~.space_spec.candidate_ms`, as the stage split is). The optimizer step is timed as the
 engine runs it, and the engine's own per-action overhead on a stand-in of 1x1 ops. It runs on a copy
 of the supernet inside a forked RNG: the user's weights, gradients, buffers and the global RNG are
 left untouched. The costs that depend on the run rather than the space (Lightning's loop, the

@@ -7,6 +7,8 @@ replay check guarantees this cannot hang. Sends never wait for the receiver, so 
 while its outputs are in flight. The messages themselves travel over shared memory when every stage
 runs on one host without NCCL (:mod:`.shm_links`), else over ``torch.distributed`` point-to-point
 calls (:mod:`.torch_links`, with receives posted ahead so the bytes land while the stage computes).
+The same links carry the gradient-norm exchange of clipping, each window's losses and agreed flags
+(:meth:`P2PTransport.share_window_end`) and evaluation values.
 
 A value is anything a block may pass on (see :mod:`.boundary`), sent as one message that
 carries its own header (see :mod:`.wire`); the receiver gets what :func:`.boundary.cut` would

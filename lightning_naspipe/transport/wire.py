@@ -14,10 +14,11 @@ the non-tensor leaves are pickled). The receiver gets what :func:`.boundary.cut`
 in process: the same structure, values, layout and ``requires_grad`` flags.
 
 One message instead of a header and then one per tensor matters: on a small CPU host each
-point-to-point call costs about a millisecond of contended CPU time. The receiver must post a
-buffer of the exact size (NCCL requires it), so both ends of a link remember the size of the
-link's last message and expect the same again. When a value's size differs, the sender first
-sends a :data:`RESIZE` message of the expected size that names the new size. Stage boundaries
+point-to-point call costs about a millisecond of contended CPU time. Over ``torch.distributed``
+(:mod:`.torch_links`) the receiver must post a buffer of the exact size (NCCL requires it), so both
+ends of a link remember the size of the link's last message and expect the same again. When a
+value's size differs, the sender first sends a :data:`RESIZE` message of the expected size that
+names the new size. Shared-memory links (:mod:`.shm_links`) need no such message. Stage boundaries
 carry the same shapes subnet after subnet, so in steady state a value is a single message.
 """
 
