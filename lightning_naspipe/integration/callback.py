@@ -1,9 +1,12 @@
 """The callback that keeps a NASPipe run exact around Lightning's loop.
 
 :func:`validate_run` checks the run's configuration (the mixin calls it from ``configure_callbacks``,
-before Lightning's own, less fitting, advice); the callback checks the optimizer, steps
-epoch-interval LR schedulers (Lightning does not under manual optimization), and stores NASPipe's
-resume state in the checkpoint. The mixin attaches it through ``configure_callbacks``.
+before Lightning's own, less fitting, advice); :class:`NASPipeCallback` checks the optimizer, steps
+epoch-interval LR schedulers (Lightning does not under manual optimization), stores NASPipe's resume
+state in the checkpoint and, on an exception, posts it for the other stages to name
+(:mod:`~lightning_naspipe.transport.failures`). The mixin attaches it through ``configure_callbacks``.
+:class:`StageWeightsSync`, which the strategy puts first in a multi-stage fit, gives every stage every
+block's weights at each epoch's end.
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRun
 from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.executor import Window, loss_context
+from lightning_naspipe.pipeline.microbatch import Batch
 from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses
 from lightning_naspipe.namespaces import installed, namespace_of
 from lightning_naspipe.pipeline.sampling import EVAL_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.space.choice import Architecture
-from lightning_naspipe.space.supernet import Supernet, supernet_of
+from lightning_naspipe.space.supernet import BlockValue, Supernet, supernet_of
 
 if TYPE_CHECKING:
     from lightning_naspipe.pipeline.engine import EngineModule
@@ -56,13 +57,13 @@ class NASPipeMixin:
 
     # -- what users implement or override ------------------------------------------------
 
-    def compute_loss(self, output: Any, batch: Any) -> Tensor:
+    def compute_loss(self, output: BlockValue, batch: Batch) -> Tensor:
         """The scalar training loss of the supernet's ``output`` for ``batch``. Must be implemented."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement compute_loss(self, output, batch) returning a scalar loss tensor."
         )
 
-    def pipeline_input(self, batch: Any) -> Any:
+    def pipeline_input(self, batch: Batch) -> BlockValue:
         """What the first block receives for ``batch``; defaults to ``batch[0]``."""
         return batch[0]
 
@@ -86,7 +87,7 @@ class NASPipeMixin:
         """
         return uniform_architecture(self._supernet().labels, mix(EVAL_DOMAIN, self.naspipe_seed), batch_idx)
 
-    def subnet_output(self, batch: Any, architecture: Architecture) -> Any:
+    def subnet_output(self, batch: Batch, architecture: Architecture) -> BlockValue:
         """Run subnet ``architecture`` on ``batch`` (no backward) and return its output.
 
         Under ``strategy="naspipe"`` with several stages the batch flows through the pipeline and
@@ -97,15 +98,15 @@ class NASPipeMixin:
         engine = strategy.engine if isinstance(strategy, PipelineRunner) and strategy.engine else None
         return (engine or self._sequential_engine()).evaluate(cast("EngineModule", self), batch, architecture)
 
-    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+    def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         """Logs ``val_loss`` of subnet :meth:`eval_architecture` on the batch; override for metrics."""
         return self._evaluation_step("val_loss", batch, batch_idx, dataloader_idx)
 
-    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+    def test_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         """Logs ``test_loss`` of subnet :meth:`eval_architecture` on the batch; override for metrics."""
         return self._evaluation_step("test_loss", batch, batch_idx, dataloader_idx)
 
-    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> BlockValue:
         """The output of subnet :meth:`eval_architecture` for the batch (``trainer.predict``); override to
         predict with another architecture."""
         return self.subnet_output(batch, self.eval_architecture(batch_idx, dataloader_idx))

@@ -4,7 +4,7 @@ Lightning's SIGTERM handler broadcasts from inside the signal handler, on whiche
 signal, and its SLURM requeue handler (``SIGUSR1`` by default) saves a checkpoint there, a
 collective. Both collide with the pipeline's own traffic: the run hung until ``timeout`` and wrote
 no checkpoint. Under NASPipe the handlers only record the signal. Each stage's flags travel with
-the window's losses at its end (:meth:`.transport.P2PTransport.share_window_end`, no collective; up
+the window's losses at its end (:meth:`.p2p.P2PTransport.share_window_end`, no collective; up
 the pipeline one window behind, so a signal on stage ``s`` of ``N`` is agreed ``N - 1 - s`` windows
 later), and where Lightning would broadcast rank 0's SIGTERM flag before the next window, every stage
 acts on the agreed flags, so a signal to any stage acts on every stage at the same boundary:

@@ -1,10 +1,11 @@
 """``NASPipeStrategy``: pipeline-parallel supernet training as a Lightning strategy.
 
 Thin glue: Lightning's loop hands the mixin one *window* per batch (see :mod:`.data`), the
-mixin's ``training_step`` runs it through the strategy's :class:`~.engine.Engine` on this
-process's pipeline stage, and the results are bitwise those of a plain one-device ``Trainer``.
-One process per stage, launched by Lightning's own launchers (or ``torchrun``); the process
-group is gloo on CPU and NCCL on CUDA.
+mixin's ``training_step`` runs it through the strategy's :class:`~lightning_naspipe.pipeline.engine.Engine`
+on this process's pipeline stage, and the results are bitwise those of a plain one-device ``Trainer``.
+The strategy is built of parts: its processes (:mod:`.processes`), its Lightning namespace
+(:mod:`.binding`) and the blocks each stage owns (:mod:`.stage_placement`); this module adds setup,
+the training hooks and the data.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from lightning_naspipe.pipeline.clipping import UpdateClipping, clips, clips_by_
 from lightning_naspipe.pipeline.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.pipeline.grad_norm import NormExchange
 from lightning_naspipe.pipeline.lookahead import plan_step
-from lightning_naspipe.pipeline.microbatch import split_batch
+from lightning_naspipe.pipeline.microbatch import Batch, split_batch
 from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
 from lightning_naspipe.pipeline.replicas import ReplicaGroup, ReplicaUpdates, ordered_sum
 from lightning_naspipe.transport.failures import FailureBoard
@@ -32,7 +32,7 @@ from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule, with_ties
 from lightning_naspipe.pipeline.schedule import SCHEDULES, build_schedule, scheduling_resources
-from lightning_naspipe.space.supernet import Resource, Supernet
+from lightning_naspipe.space.supernet import BlockValue, Resource, Supernet
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
 from lightning_naspipe.pipeline.ties import TieRoutes, ties_of
 from lightning_naspipe.pipeline.weight_grads import DeferralChooser, serialised
@@ -252,8 +252,8 @@ class Engine:
             found["telemetry/windows_deferred"] = float(self.windows_deferred)
         return found
 
-    def train_window(self, module: EngineModule, batches: Sequence[Any], first_index: int,
-                     upcoming: Sequence[Any] | None = None) -> Window:
+    def train_window(self, module: EngineModule, batches: Sequence[Batch], first_index: int,
+                     upcoming: Sequence[Batch] | None = None) -> Window:
         """Train subnets ``first_index, first_index + 1, ...`` on ``batches``, one batch each.
 
         Args:
@@ -290,7 +290,7 @@ class Engine:
         if self.transport is not None:
             self.transport.drop_from(first)
 
-    def _window(self, module: EngineModule, batches: Sequence[Any], first_index: int) -> Window:
+    def _window(self, module: EngineModule, batches: Sequence[Batch], first_index: int) -> Window:
         architectures = [module.supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
         return Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
 
@@ -369,7 +369,7 @@ class Engine:
         window.losses[:size] = [ordered_sum(losses) for losses in chunk_losses[:size]]
         return records
 
-    def evaluate(self, module: EngineModule, batch: Any, architecture: dict[str, int]) -> Any:
+    def evaluate(self, module: EngineModule, batch: Batch, architecture: dict[str, int]) -> BlockValue:
         """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
         architecture = module.supernet.validate(architecture)
         ties = ties_of(module.supernet, self.stage_blocks)

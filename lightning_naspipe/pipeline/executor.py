@@ -22,6 +22,7 @@ from lightning_naspipe.transport.boundary import Gradients, backward_through, cu
 from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.transport.torch_links import IdleWork
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.pipeline.microbatch import Batch
 from lightning_naspipe.pipeline.sampling import keyed_rng
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.pipeline.replicas import ReplicaUpdates
@@ -117,9 +118,9 @@ class StageModule(Protocol):
 
     supernet: Supernet
 
-    def pipeline_input(self, batch: Any) -> Any: ...
+    def pipeline_input(self, batch: Batch) -> BlockValue: ...
 
-    def compute_loss(self, output: Any, batch: Any) -> Tensor: ...
+    def compute_loss(self, output: BlockValue, batch: Batch) -> Tensor: ...
 
     def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None: ...
 
@@ -142,7 +143,7 @@ class Window:
 
     first_index: int
     architectures: list[Architecture]
-    pieces: list[list[tuple[Any, float]]]
+    pieces: list[list[tuple[Batch, float]]]
     losses: list[Tensor | None] = field(default_factory=list)
     records: list[Any] = field(default_factory=list)
     chunk_losses: list[list[Tensor | None]] = field(default_factory=list)
@@ -230,7 +231,7 @@ class StageExecutor:
             if self.telemetry is not None:
                 self.telemetry.action(str(action), action.kind, action.subnet, start, time.perf_counter())
 
-    def forward_only(self, batch: Any, architecture: Architecture) -> Any:
+    def forward_only(self, batch: Batch, architecture: Architecture) -> BlockValue:
         """This stage's part of an evaluation forward; the output on the last stage, else ``None``."""
         passing: dict[int, Tensor] = {}
         if self.is_first:

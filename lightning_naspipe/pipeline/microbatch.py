@@ -1,16 +1,22 @@
-"""Splitting a batch into micro-batches ("chunks") along the first dimension."""
+"""Batches and micro-batches: splitting a batch into ``chunks`` along the first dimension, and checking
+at fit start that a dataloader's batches split the same way on every stage."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_naspipe.errors import NASPipeConfigError
 
+#: What the user's dataloader yields for one subnet: a tensor, or any nesting of tuples, lists and dicts of
+#: tensors and plain values, split into micro-batches along the first dimension of its tensors. Its
+#: structure is the user's, so to the type checker it is ``Any``; the name says what flows.
+Batch: TypeAlias = Any
 
-def split_batch(batch: Any, chunks: int) -> list[tuple[Any, float]]:
+
+def split_batch(batch: Batch, chunks: int) -> list[tuple[Batch, float]]:
     """Split every tensor in ``batch`` into ``chunks`` pieces along dim 0.
 
     Non-tensor leaves are shared by all pieces. With ``chunks == 1`` the batch is returned

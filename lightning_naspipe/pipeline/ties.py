@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.placement import first_blocks, owner_of
-from lightning_naspipe.space.supernet import Resource, Supernet
+from lightning_naspipe.space.supernet import BlockValue, Resource, Supernet
 
 __all__ = ["Shared", "StageTies", "TieRoutes", "ties_of"]
 
@@ -145,7 +145,7 @@ class TieRoutes:
         return tuple(n for h in range(self.last, stage - 1, -1) for b in reversed(self.ties.stage_blocks[h])
                      for n in self.ties.in_block.get(b, ()) if shared[n].owner < stage and self._reads(k, h, n))
 
-    def take_values(self, k: int, message: Any) -> tuple[Any, dict[int, Tensor]]:
+    def take_values(self, k: int, message: BlockValue) -> tuple[BlockValue, dict[int, Tensor]]:
         """Subnet ``k``'s first activation without the values it carries; the values this stage reads are copied in
         (nothing reads this stage's copy meanwhile: CSP), the others kept to pass on."""
         slots = self.value_slots(k, self.stage - 1)
@@ -158,7 +158,7 @@ class TieRoutes:
                 self.ties.shared[n].tensor.data.copy_(value)
         return message[0], passing
 
-    def with_values(self, k: int, activation: Any, passing: dict[int, Tensor]) -> Any:
+    def with_values(self, k: int, activation: BlockValue, passing: dict[int, Tensor]) -> BlockValue:
         """The message of subnet ``k``'s first activation to the next stage: the values later stages read with it."""
         slots = self.value_slots(k, self.stage)
         if not slots:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_naspipe.transport.boundary import cut, grad_targets, tensors_in
 from lightning_naspipe.space.choice import ChoiceBlock, active_architecture
+from lightning_naspipe.space.supernet import BlockValue
 from lightning_naspipe.pipeline.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.planning.space_spec import candidate_ms
 from lightning_naspipe.pipeline.sampling import keyed_rng
@@ -85,7 +86,7 @@ class PathTimes:
         return sum(candidate_ms([t for t, p in zip(seconds, picks) if p == kind]) for kind in kinds) / len(kinds)
 
 
-def time_paths(ops: list[list[nn.Module]], example_input: Any, repeats: int,
+def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: int,
                clock: Callable[[], float] = time.perf_counter,
                optimizer: torch.optim.Optimizer | None = None, deferred: bool = False) -> PathTimes:
     """Train paths through ``ops`` (per block, its candidates) and time every block of each.

@@ -18,10 +18,10 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning.block_cost import BlockFailure, time_paths
 from lightning_naspipe.planning.space_spec import block_cost_ms
 from lightning_naspipe.space.choice import candidates_of
-from lightning_naspipe.space.supernet import Supernet
+from lightning_naspipe.space.supernet import BlockValue, Supernet
 
 
-def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int = 4, repeats: int = 2,
+def timed_block_weights(supernet: Supernet, example_input: BlockValue, per_block: int = 4, repeats: int = 2,
                         device: torch.device | None = None) -> list[float]:
     """Each block's measured forward + backward seconds for one subnet batch.
 
@@ -58,7 +58,7 @@ def timed_block_weights(supernet: Supernet, example_input: Any, per_block: int =
             for i, candidates in enumerate(times.forward)]
 
 
-def agreed_timed_weights(supernet: Supernet, example_input: Any, timing_rank: bool,
+def agreed_timed_weights(supernet: Supernet, example_input: BlockValue, timing_rank: bool,
                          broadcast: Callable[[Any], Any], device: torch.device | None = None) -> list[float]:
     """:func:`timed_block_weights` measured on one rank and ``broadcast`` to all, so every stage
     process splits alike; a timing error is raised on every rank, not only the timing one."""

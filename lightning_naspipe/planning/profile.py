@@ -3,7 +3,7 @@
 Every candidate of every block is timed forward and backward (CPU wall time by default, after a
 warm-up round) while training paths through the supernet that cycle through the candidates, so
 inputs have the right shapes and caches are as cold as in training (:mod:`.block_cost`, reduced
-with :func:`~.block_cost.candidate_ms`, as the stage split is). The optimizer step is timed as the
+with :func:`~.space_spec.candidate_ms`, as the stage split is). The optimizer step is timed as the
 engine runs it, and the engine's own per-action overhead on a stand-in of 1x1 ops. It runs on a copy
 of the supernet inside a forked RNG: the user's weights, gradients, buffers and the global RNG are
 left untouched. The costs that depend on the run rather than the space (Lightning's loop, the
@@ -30,7 +30,7 @@ from lightning_naspipe.planning.block_cost import holds_state, time_paths
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
 from lightning_naspipe.pipeline.sampling import uniform_architecture
 from lightning_naspipe.space.choice import ChoiceBlock, candidates_of
-from lightning_naspipe.space.supernet import Supernet
+from lightning_naspipe.space.supernet import BlockValue, Supernet
 
 __all__ = ["profile_supernet"]
 
@@ -41,7 +41,7 @@ def _default_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
 
-def profile_supernet(supernet: Supernet, sample_input: Any, repeats: int = 3,
+def profile_supernet(supernet: Supernet, sample_input: BlockValue, repeats: int = 3,
                      optimizer: OptimizerFactory = _default_optimizer, clock: Callable[[], float] = time.perf_counter,
                      engine_seconds: float = 2.0, **overheads: float) -> SpaceSpec:
     """Time each block's candidates, the optimizer update and the engine's own overhead.

@@ -10,6 +10,8 @@ ordering (the CSP rule): a set of parameters and buffers. Each block's module tr
 tied weight or a module reused in two places, are one resource, keyed by the path of the first
 such scope. Parameter- and buffer-free scopes (``nn.Identity``, pooling, activations) are no
 resource and conflict with nothing.
+
+What one block passes to the next is a :data:`BlockValue`; :func:`describe` names one in short.
 """
 
 from __future__ import annotations

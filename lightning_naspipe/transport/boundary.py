@@ -20,12 +20,13 @@ is then the same computation on the same values whatever the partition, and so i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lightning_naspipe.space.supernet import BlockValue
 CONTIGUOUS, CHANNELS_LAST = 0, 1
 
 #: What crosses a block boundary backwards: one gradient per tensor of the value that requires grad
@@ -47,14 +48,14 @@ def laid_out(tensor: Tensor) -> Tensor:
     return tensor.contiguous()
 
 
-def cut(value: Any) -> Any:
+def cut(value: BlockValue) -> BlockValue:
     """``value`` as the next block receives it: every tensor a fresh leaf (see the module docstring)."""
     if isinstance(value, Tensor):  # the common case, without the pytree walk
         return laid_out(value).detach().requires_grad_(value.requires_grad)
     return map_tensors(lambda t: laid_out(t).detach().requires_grad_(t.requires_grad), value)
 
 
-def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
+def map_tensors(fn: Callable[[Tensor], Tensor], value: BlockValue) -> BlockValue:
     """``value`` with ``fn`` applied to every tensor in it (tuples, lists, dicts, named tuples)."""
     if isinstance(value, Tensor):
         return fn(value)
@@ -63,7 +64,7 @@ def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
     return pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, Tensor) else leaf, value)
 
 
-def tensors_in(value: Any) -> list[Tensor]:
+def tensors_in(value: BlockValue) -> list[Tensor]:
     """Every tensor in ``value``, in flattening order (a tensor that appears twice, twice)."""
     if isinstance(value, Tensor):
         return [value]
@@ -72,19 +73,19 @@ def tensors_in(value: Any) -> list[Tensor]:
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Tensor)]
 
 
-def flat_tensors(value: Any) -> bool:
+def flat_tensors(value: BlockValue) -> bool:
     """Whether ``value`` is a plain tuple or list of tensors and ``None``s (not a subclass: named tuples
     and other registered nodes take the pytree walk)."""
     return type(value) in (tuple, list) and all(v is None or isinstance(v, Tensor) for v in value)
 
 
-def grad_targets(value: Any) -> list[Tensor]:
+def grad_targets(value: BlockValue) -> list[Tensor]:
     """The tensors of ``value`` that require grad, in flattening order: the positions whose
     gradients cross the boundary backwards."""
     return [t for t in tensors_in(value) if t.requires_grad]
 
 
-def backward_through(outputs: Any, grads: Sequence[Tensor | None]) -> None:
+def backward_through(outputs: BlockValue, grads: Sequence[Tensor | None]) -> None:
     """One block's backward: ``grads`` (aligned with :func:`grad_targets` of ``outputs``) into it."""
     targets = grad_targets(outputs)
     if len(targets) != len(grads):
@@ -94,13 +95,13 @@ def backward_through(outputs: Any, grads: Sequence[Tensor | None]) -> None:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
-def leaf_grads(inputs: Any) -> Gradients:
+def leaf_grads(inputs: BlockValue) -> Gradients:
     """The gradients a block's input leaves received (``None`` where none flowed), in boundary layout
     as the transport would deliver them (autograd already lays a leaf's gradient out like the leaf)."""
     return tuple(None if t.grad is None else laid_out(t.grad) for t in grad_targets(inputs))
 
 
-def device_of(value: Any) -> torch.device:
+def device_of(value: BlockValue) -> torch.device:
     """The device of the first tensor in ``value`` (CPU when there is none)."""
     for tensor in tensors_in(value):
         return tensor.device

@@ -1,9 +1,11 @@
-"""Collectives over all stage processes: shared losses, full weights and full optimizer state.
+"""Collectives over all stage processes: objects, block weights and optimizer state.
 
-Each stage trains only its own blocks, so the authoritative copy of a tensor lives on its
-stage's process. These helpers bring everything together where Lightning expects it: the loss
-on every rank (loggers write on rank 0, the first stage), full weights on every rank (after fit
-and for checkpoints), and the optimizer state in the standard one-optimizer layout on rank 0.
+Each stage trains only its own blocks, so the current copy of a tensor lives on its stage's process.
+These helpers bring it where Lightning and the strategy expect it: small objects broadcast or gathered
+(timings, busy times, the stage table's rows), every block's weights on every rank (at epoch ends, after
+fit and for checkpoints), a moving block's optimizer state handed to its new owner, and the whole
+optimizer state in the standard one-optimizer layout on every rank. A window's losses do not pass
+here: they travel point to point with its end (:meth:`.p2p.P2PTransport.share_window_end`).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def gather_optimizer_state(optimizer: Optimizer, owned: set[int], device: torch.
     """The optimizer's state dict in the standard layout, each parameter's state from its owner.
 
     Every rank holds the full param groups but steps only the parameters it ``owned`` (ids);
-    rank 0 receives the merged result, other ranks their own part.
+    every rank receives the merged result (collective).
     """
     local = optimizer.state_dict()
     index_of = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}

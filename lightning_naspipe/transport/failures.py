@@ -1,7 +1,7 @@
 """Telling every stage why the pipeline stopped.
 
 A stage that raises ends its process; its neighbours only see a link go quiet and raise
-:class:`~.transport.StageFailure`. Rank 0 is the process the user watches, so the failing stage
+:class:`~.p2p.StageFailure`. Rank 0 is the process the user watches, so the failing stage
 posts its error to the process group's key-value store (held by rank 0 under Lightning's
 launchers and torchrun) and a stage that loses a neighbour reads the posts before it raises.
 Everything here is best effort: a store that cannot be reached only loses the explanation.

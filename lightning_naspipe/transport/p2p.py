@@ -7,6 +7,8 @@ replay check guarantees this cannot hang. Sends never wait for the receiver, so 
 while its outputs are in flight. The messages themselves travel over shared memory when every stage
 runs on one host without NCCL (:mod:`.shm_links`), else over ``torch.distributed`` point-to-point
 calls (:mod:`.torch_links`, with receives posted ahead so the bytes land while the stage computes).
+The same links carry the gradient-norm exchange of clipping, each window's losses and agreed flags
+(:meth:`P2PTransport.share_window_end`) and evaluation values.
 
 A value is anything a block may pass on (see :mod:`.boundary`), sent as one message that
 carries its own header (see :mod:`.wire`); the receiver gets what :func:`.boundary.cut` would
@@ -25,13 +27,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_naspipe.transport import wire as wire_format
-from lightning_naspipe.transport.boundary import map_tensors
+from lightning_naspipe.transport.boundary import Gradients, map_tensors
 from lightning_naspipe.transport.distributed import broadcast_object
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.transport.failures import FailureBoard, default_store
 from lightning_naspipe.pipeline.actions import NORMS, Schedule
 from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
-from lightning_naspipe.space.supernet import describe
+from lightning_naspipe.space.supernet import BlockValue, describe
 from lightning_naspipe.transport.torch_links import IdleWork, TorchLinks
 
 #: How messages travel: ``"auto"`` (shared memory where possible), ``"shared_memory"`` or ``"torch"``.
@@ -155,19 +157,20 @@ class P2PTransport:
         """Release the links (shared memory, FIFOs); the transport is unusable afterwards."""
         self.links.close()
 
-    def send_activation(self, subnet: int, chunk: int, value: Any) -> None:
+    def send_activation(self, subnet: int, chunk: int, value: BlockValue) -> None:
         if self.first_activation is None:
             self.first_activation = describe(value)
         self.links.send(self.stage + 1, value)
 
-    def recv_activation(self, subnet: int, chunk: int) -> Any:
+    def recv_activation(self, subnet: int, chunk: int) -> BlockValue:
         return self._recv_for("forward", self.stage - 1, (subnet, chunk))
 
-    def send_gradient(self, subnet: int, chunk: int, value: Any) -> None:
+    def send_gradient(self, subnet: int, chunk: int, value: Gradients) -> None:
         self.links.send(self.stage - 1, value)
 
-    def recv_gradient(self, subnet: int, chunk: int) -> Any:
-        return self._recv_for("backward", self.stage + 1, (subnet, chunk))
+    def recv_gradient(self, subnet: int, chunk: int) -> Gradients:
+        grads: Gradients = self._recv_for("backward", self.stage + 1, (subnet, chunk))  # as the sender sent them
+        return grads
 
     def send_norms(self, subnet: int, stage: int, value: Any) -> None:
         """Send neighbour ``stage`` subnet ``subnet``'s norm message (see :mod:`.grad_norm`): it travels on
@@ -179,7 +182,7 @@ class P2PTransport:
         link = "forward" if stage == self.stage - 1 else "backward"
         return self._recv_for(link, stage, (subnet, NORMS))
 
-    def share(self, value: Any) -> Any:
+    def share(self, value: BlockValue) -> BlockValue:
         """The last stage's ``value`` (e.g. an evaluation output) on every stage."""
         last = len(self.ranks) - 1
         return broadcast_object(value if self.stage == last else None, self.ranks[last], self.device, self.group)
@@ -224,11 +227,11 @@ class P2PTransport:
         return ([v.to(dtype).to(self.device) for v in packed[1:]], [int(f) for f in agreed.tolist()],
                 list(message[2]) if len(message) > 2 else [])
 
-    def send_value(self, stage: int, value: Any) -> None:
+    def send_value(self, stage: int, value: BlockValue) -> None:
         """Send outside a window's schedule (evaluation); the peer must call :meth:`recv_value`."""
         self.links.send(stage, value)
 
-    def recv_value(self, stage: int) -> Any:
+    def recv_value(self, stage: int) -> BlockValue:
         if stage == self.stage - 1:  # evaluation between windows: the flags come first
             self._take_owed_flags()
         return self._recv(stage)

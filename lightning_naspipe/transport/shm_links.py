@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_naspipe.space.supernet import BlockValue
 from lightning_naspipe.transport import wire as wire_format
 from lightning_naspipe.transport.distributed import broadcast_object
 from lightning_naspipe.transport.torch_links import IdleWork, LostHandler, WaitHandler
@@ -149,7 +150,7 @@ class SharedMemoryLinks:
             os.rmdir(folder)  # empty now; the rings are named after it, outside it
         return cls(stage, folder, fds, timeout, waited, lost, spin_s)
 
-    def send(self, stage: int, value: Any) -> None:
+    def send(self, stage: int, value: BlockValue) -> None:
         """Write ``value`` into the ring to ``stage`` and note it; never waits for the receiver."""
         self._take_acks(stage)
         placed: list[tuple[int, int]] = []
@@ -167,7 +168,7 @@ class SharedMemoryLinks:
     def post(self, stage: int) -> None:
         """Nothing to post: a message is in shared memory as soon as it is sent."""
 
-    def recv(self, stage: int) -> Any:
+    def recv(self, stage: int) -> BlockValue:
         """The next value from ``stage``, copied out of shared memory."""
         ring_id, start, nbytes = _NOTE.unpack(self._read_note(stage))
         reading = self._reading.get(stage)

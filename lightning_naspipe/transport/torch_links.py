@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_naspipe.space.supernet import BlockValue
 from lightning_naspipe.transport import wire as wire_format
 
 #: ``lost(stage, error)``: the error to raise when neighbour ``stage`` stopped (``None``: a send failed).
@@ -57,7 +58,7 @@ class TorchLinks:
         #: Work to do while a receive would wait (:data:`IdleWork`), set by the transport's owner.
         self.idle: IdleWork | None = None
 
-    def send(self, stage: int, value: Any) -> None:
+    def send(self, stage: int, value: BlockValue) -> None:
         """Send ``value`` to ``stage`` without waiting for it to be received."""
         message = wire_format.pack(value, self.device)
         expected = self._link_size.get(("to", stage), wire_format.FIRST_SIZE)
@@ -75,7 +76,7 @@ class TorchLinks:
         if stage not in self._posted:
             self._posted[stage] = self._irecv(stage)
 
-    def recv(self, stage: int) -> Any:
+    def recv(self, stage: int) -> BlockValue:
         """The next value from ``stage`` (its tensors on :attr:`device`)."""
         posted = self._posted.pop(stage, None)
         work, message = posted if posted is not None else self._irecv(stage)

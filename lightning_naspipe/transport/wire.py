@@ -14,10 +14,11 @@ the non-tensor leaves are pickled). The receiver gets what :func:`.boundary.cut`
 in process: the same structure, values, layout and ``requires_grad`` flags.
 
 One message instead of a header and then one per tensor matters: on a small CPU host each
-point-to-point call costs about a millisecond of contended CPU time. The receiver must post a
-buffer of the exact size (NCCL requires it), so both ends of a link remember the size of the
-link's last message and expect the same again. When a value's size differs, the sender first
-sends a :data:`RESIZE` message of the expected size that names the new size. Stage boundaries
+point-to-point call costs about a millisecond of contended CPU time. Over ``torch.distributed``
+(:mod:`.torch_links`) the receiver must post a buffer of the exact size (NCCL requires it), so both
+ends of a link remember the size of the link's last message and expect the same again. When a
+value's size differs, the sender first sends a :data:`RESIZE` message of the expected size that
+names the new size. Shared-memory links (:mod:`.shm_links`) need no such message. Stage boundaries
 carry the same shapes subnet after subnet, so in steady state a value is a single message.
 """
 
@@ -33,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_naspipe.transport.boundary import CHANNELS_LAST, flat_tensors, laid_out, layout_of
+from lightning_naspipe.space.supernet import BlockValue
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -55,7 +57,7 @@ class _Slot:
     """Where a tensor leaf stood in a pickled structure."""
 
 
-def flatten(value: Any) -> tuple[list[Tensor | None], int, bytes]:
+def flatten(value: BlockValue) -> tuple[list[Tensor | None], int, bytes]:
     """The tensor entries of a boundary value, its kind, and (kind STRUCTURE) its pickled structure."""
     if isinstance(value, Tensor):
         return [value], TENSOR, b""
@@ -74,7 +76,7 @@ def flatten(value: Any) -> tuple[list[Tensor | None], int, bytes]:
     return tensors, STRUCTURE, structure
 
 
-def pack(value: Any, device: torch.device, allocate: Callable[[int], Tensor] | None = None) -> Tensor:
+def pack(value: BlockValue, device: torch.device, allocate: Callable[[int], Tensor] | None = None) -> Tensor:
     """``value`` as one ``uint8`` buffer on ``device`` (see the module docstring for the layout).
 
     ``allocate(nbytes)``, if given, provides the buffer (e.g. a view of shared memory), so the value is
@@ -123,7 +125,7 @@ def resized(buffer: Tensor) -> int | None:
     return int(size) if kind == RESIZE else None
 
 
-def unpack(buffer: Tensor) -> Any:
+def unpack(buffer: Tensor) -> BlockValue:
     """The value :func:`pack` packed; its tensors are views into ``buffer`` (no copy), requiring
     grad where the sent ones did (activations, whose gradient the receiving stage sends back)."""
     slots = int(buffer[2 * _SLOT: 3 * _SLOT].view(torch.int64).item())
