@@ -24,4 +24,4 @@ __all__ = ["Architecture", "Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch
            "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch",
            "SearchResult", "Searcher", "StageFailure", "Supernet", "When", "Zero", "__version__", "load_subnet",
            "naspipe_cli", "recalibrate_batchnorm", "save_subnet", "search"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

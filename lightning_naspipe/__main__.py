@@ -1,8 +1,9 @@
 """Command line: ``python -m lightning_naspipe <command> ...``.
 
 Commands:
-    plan: predict throughput, bubbles, stall causes and in-flight depth for several stage counts
-        from a space spec (``SpaceSpec.to_json``) or a synthetic wide space (``--wide C``).
+    plan: predict throughput, bubbles, stall causes and in-flight depth for several stage counts, or
+        for every stages x replicas layout of ``--processes N`` (naming the best), from a space spec
+        (``SpaceSpec.to_json``) or a synthetic wide space (``--wide C``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_naspipe.planning import SpaceSpec, plan, table, wide_spec
+from lightning_naspipe.planning.planner import best_layout, plan_layouts, simulate
 from lightning_naspipe.pipeline.schedule import SCHEDULES
 
 
@@ -25,19 +27,31 @@ def _plan(args: argparse.Namespace) -> int:
             spec = SpaceSpec.from_json(f.read())
     else:
         spec = wide_spec(args.wide, args.blocks, args.block_ms)
-    predictions = plan(spec, args.stages, args.window, args.chunks, args.schedule, subnets=args.subnets,
-                       seed=args.seed, batch_size=args.batch_size, lookahead=not args.no_lookahead,
-                       defer_weight_grads=args.defer_weight_grads)
+    settings = dict(subnets=args.subnets, seed=args.seed, batch_size=args.batch_size, lookahead=not args.no_lookahead,
+                    defer_weight_grads=args.defer_weight_grads)
+    if args.processes is not None:
+        predictions = plan_layouts(spec, args.processes, args.window, args.chunks, args.schedule, **settings)
+        if not predictions:
+            print(f"plan: no layout of {args.processes} processes fits chunks={args.chunks} (a multiple of the "
+                  "replicas) and the space's blocks", file=sys.stderr)
+            return 2
+    else:
+        predictions = plan(spec, args.stages, args.window, args.chunks, args.schedule, **settings)
     if args.json:
         print(json.dumps([p.to_dict() for p in predictions], indent=1))
         return 0
-    skipped = [s for s in args.stages if s > len(spec.blocks)]
+    skipped = [s for s in args.stages if s > len(spec.blocks)] if args.processes is None else []
     space = f"{len(spec.blocks)} blocks, {len(spec.labels())} choices" if args.spec else (
         f"wide: {args.blocks} choice blocks x {args.wide} candidates, {args.block_ms} ms forward per block")
     print(f"space: {space}; window {args.window}, chunks {args.chunks}, schedule {args.schedule}, "
           f"lookahead {'off' if args.no_lookahead else 'on'}, "
           f"{predictions[0].subnets if predictions else 0} subnets simulated")
-    print(table(predictions))
+    one_device = simulate(spec, 1, args.window, args.chunks, args.schedule, **settings).subnets_per_s
+    print(table(predictions, one_device))
+    if args.processes is not None:
+        best = best_layout(predictions)
+        print(f"best layout for {args.processes} processes: {best.stages} stage(s) x {best.replicas} replica(s), "
+              f"NASPipeStrategy(num_stages={best.stages}, chunks={args.chunks})")
     if skipped:
         print(f"skipped stage counts {skipped}: more stages than the space's {len(spec.blocks)} blocks")
     print("bubble: idle share of stage time, split by cause: depen(dency) = a forward held for an earlier subnet's "
@@ -58,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-ms", type=float, default=1.0,
                    help="with --wide: forward ms per block (backward is twice that; default 1.0)")
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--processes", type=int, default=None,
+                   help="instead of --stages: every stages x replicas layout of this many processes, and the best")
     p.add_argument("--window", type=int, default=16, help="subnets per window (default 16)")
     p.add_argument("--chunks", type=int, default=1, help="micro-batches per subnet (default 1)")
     p.add_argument("--schedule", choices=SCHEDULES, default="csp")

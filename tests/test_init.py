@@ -42,3 +42,11 @@ def test_every_module_exports_only_names_it_defines() -> None:
                 names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
                 re_exported += [f"{path.relative_to(root)}: {name}" for name in names if name not in defined]
     assert not re_exported, re_exported
+
+
+def test_the_version_is_the_released_one_in_pyproject() -> None:
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()  # no tomllib before Python 3.11
+    assert re.findall(r'^version = "([^"]+)"', pyproject, re.M) == [lnp.__version__]

@@ -16,7 +16,7 @@ from torch import nn
 import lightning_naspipe as lnp
 from lightning_naspipe.planning import planner
 from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.planning.planner import plan, simulate
+from lightning_naspipe.planning.planner import best_layout, plan, plan_layouts, simulate
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
 from lightning_naspipe.planning.stalls import CAUSES
 from lightning_naspipe.planning import profile_supernet
@@ -142,6 +142,38 @@ def test_cli_prints_a_table() -> None:
     head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["stages", "subnets/s"])
     assert [line.split()[0] for line in lines[head + 1:head + 5]] == ["1", "2", "4", "8"]
     assert "skipped stage counts [16, 32, 64]" in done.stdout
+
+
+def test_layouts_are_every_divisor_that_fits_the_blocks_and_the_chunks() -> None:
+    spec = mixed_spec()  # 5 blocks
+    assert [p.layout for p in plan_layouts(spec, 4, 4, chunks=4)] == ["1x4", "2x2", "4x1"]
+    assert [p.layout for p in plan_layouts(spec, 4, 4, chunks=2)] == ["2x2", "4x1"]  # 4 replicas need 4 chunks
+    assert [p.layout for p in plan_layouts(spec, 6, 4, chunks=6)] == ["1x6", "2x3", "3x2"]  # 6 stages > 5 blocks
+    with pytest.raises(ValueError, match="multiple of replicas=2"):
+        simulate(spec, 1, 4, chunks=3, replicas=2)
+
+
+def test_replicas_share_the_compute_of_a_space_stages_cannot_overlap() -> None:
+    """Every subnet trains the trainable stem and head: stages serialise, replicas split each batch."""
+    spec = SpaceSpec([BlockSpec(None, [CandidateSpec(1.0, 2.0, True)])] + [
+        BlockSpec(f"c{i}", [CandidateSpec(1.0, 2.0, True) for _ in range(4)]) for i in range(4)]
+        + [BlockSpec(None, [CandidateSpec(1.0, 2.0, True)])])
+    one = simulate(spec, 1, 8, chunks=2).subnets_per_s
+    layouts = {p.layout: p for p in plan_layouts(spec, 2, 8, chunks=2)}
+    assert layouts["1x2"].subnets_per_s == pytest.approx(2 * one, rel=0.05)  # no messages modelled: half each
+    assert layouts["2x1"].subnets_per_s < 1.6 * one
+    assert best_layout(list(layouts.values())).layout == "1x2"
+    costly = dataclasses.replace(spec, message_ms=2.0)  # the chained reduction now costs 2 x 2 ms per update
+    assert simulate(costly, 1, 8, chunks=2, replicas=2).subnets_per_s < 0.8 * layouts["1x2"].subnets_per_s
+
+
+def test_cli_predicts_every_layout_and_names_the_best() -> None:
+    done = subprocess.run([sys.executable, "-m", "lightning_naspipe", "plan", "--wide", "8", "--processes", "4",
+                           "--chunks", "4"], capture_output=True, text=True, timeout=120, check=True)
+    lines = done.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["S", "x"])
+    assert [line.split()[0] for line in lines[head + 1:head + 4]] == ["1x4", "2x2", "4x1"]
+    assert "best layout for 4 processes:" in done.stdout and "NASPipeStrategy(num_stages=" in done.stdout
 
 
 class FakeModule(EngineFakeModule):

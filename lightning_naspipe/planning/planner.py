@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_naspipe.pipeline.lookahead import plan_step
@@ -24,9 +24,9 @@ from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action
 from lightning_naspipe.pipeline.schedule import SCHEDULES, build_schedule, scheduling_resources
 from lightning_naspipe.planning.deferral import deferring, passes
 from lightning_naspipe.planning.stalls import CAUSES, SEND, analyse_stage
-from lightning_naspipe.planning.space_spec import SpaceSpec
+from lightning_naspipe.planning.space_spec import BlockSpec, SpaceSpec
 
-__all__ = ["TICKS_PER_MS", "Prediction", "plan", "simulate", "table"]
+__all__ = ["TICKS_PER_MS", "Prediction", "best_layout", "plan", "plan_layouts", "simulate", "table"]
 
 #: Simulation clock: 1 tick = 10 µs; every action lasts at least one tick.
 TICKS_PER_MS = 100
@@ -42,6 +42,7 @@ class Prediction:
         stalls_ms: per stage, idle time by cause (:data:`CAUSES`); busy + stalls = ``makespan_ms``.
         inflight_max / inflight_mean: per stage, subnets started (first F) but not yet updated
             (U); the mean is time-weighted over the run.
+        replicas: data-parallel replicas of the pipeline (each runs ``chunks / replicas`` micro-batches).
     """
 
     stages: int
@@ -56,6 +57,12 @@ class Prediction:
     inflight_max: tuple[int, ...]
     inflight_mean: tuple[float, ...]
     batch_size: int | None = None
+    replicas: int = 1
+
+    @property
+    def layout(self) -> str:
+        """``"S x D"``: stages times replicas."""
+        return f"{self.stages}x{self.replicas}"
 
     @property
     def subnets_per_s(self) -> float:
@@ -89,7 +96,8 @@ def _ticks(ms: float) -> int:
 def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedule: str = "csp",
              subnets: int | None = None, seed: int = 0, balance: Sequence[int] | None = None,
              architectures: Sequence[Mapping[str, int]] | None = None, batch_size: int | None = None,
-             order: str = "engine", lookahead: bool = True, defer_weight_grads: bool | None = None) -> Prediction:
+             order: str = "engine", lookahead: bool = True, defer_weight_grads: bool | None = None,
+             replicas: int = 1) -> Prediction:
     """Predict a run of ``subnets`` subnets (default: 64, rounded up to whole windows).
 
     Args:
@@ -115,7 +123,16 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
             sends its gradient after the blocks' input-gradient passes and then runs their weight passes
             (the candidates' ``input_backward_ms``/``weight_backward_ms``). ``None`` decides per stage as the
             engine does (:class:`~lightning_naspipe.pipeline.weight_grads.DeferralChooser`), on the modelled times.
+        replicas: data-parallel replicas of the pipeline (``NASPipeStrategy(num_stages=stages)`` on
+            ``stages * replicas`` processes): each runs its ``chunks / replicas`` micro-batches, each costing
+            ``1 / chunks`` of the subnet's time, and every update waits for the replicas' chained reduction.
     """
+    if replicas < 1 or chunks % replicas:
+        raise ValueError(f"chunks={chunks} must be a multiple of replicas={replicas}")
+    if replicas > 1:
+        prediction = simulate(_replica_share(spec, replicas), stages, window, chunks // replicas, schedule, subnets,
+                              seed, balance, architectures, batch_size, order, lookahead, defer_weight_grads)
+        return replace(prediction, chunks=chunks, replicas=replicas)
     labels = spec.labels()
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -247,6 +264,37 @@ def plan(spec: SpaceSpec, stages_list: Iterable[int] = (1, 2, 4, 8, 16, 32, 64),
     return [simulate(spec, s, window, chunks, schedule, **kwargs) for s in stages_list if s <= len(spec.blocks)]
 
 
+def plan_layouts(spec: SpaceSpec, processes: int, window: int = 16, chunks: int = 1, schedule: str = "csp",
+                 **kwargs: Any) -> list[Prediction]:
+    """:func:`simulate` for every layout of ``processes``: ``S`` stages x ``D = processes / S`` replicas, for each
+    ``S`` that divides ``processes``, fits the space (at most one stage per block) and leaves ``chunks`` a
+    multiple of ``D``; by increasing ``S``."""
+    layouts = [(s, processes // s) for s in range(1, processes + 1)
+               if processes % s == 0 and s <= len(spec.blocks) and chunks % (processes // s) == 0]
+    return [simulate(spec, s, window, chunks, schedule, replicas=d, **kwargs) for s, d in layouts]
+
+
+def best_layout(predictions: Sequence[Prediction]) -> Prediction:
+    """The fastest prediction (most subnets/s); on a tie, the one with fewer stages."""
+    return max(predictions, key=lambda p: (p.subnets_per_s, -p.stages))
+
+
+def _replica_share(spec: SpaceSpec, replicas: int) -> SpaceSpec:
+    """The space as one replica of ``replicas`` sees it: each candidate's compute is the replica's share of the
+    batch; each subnet's update waits for the chained reduction (``replicas - 1`` messages down, as many back),
+    and each window for the gather of the last stage's losses."""
+    def share(ms: float | None) -> float | None:
+        return None if ms is None else ms / replicas
+
+    blocks = [BlockSpec(b.label, [replace(c, forward_ms=c.forward_ms / replicas, backward_ms=c.backward_ms / replicas,
+                                          input_backward_ms=share(c.input_backward_ms),
+                                          weight_backward_ms=share(c.weight_backward_ms)) for c in b.candidates])
+              for b in spec.blocks]
+    chain = 2 * (replicas - 1) * (spec.message_ms + spec.message_cpu_ms)
+    return replace(spec, blocks=blocks, subnet_overhead_ms=spec.subnet_overhead_ms + chain,
+                   sync_ms=spec.sync_ms + spec.message_ms + spec.message_cpu_ms)
+
+
 def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int, stages: int,
                  scale: float, defer: bool = False) -> dict[str, int]:
     """Ticks of F and B per chunk, and of U, for one subnet on stage ``s``; compute times ``scale``; and
@@ -303,16 +351,20 @@ def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]]
     return Schedule(tuple(tuple(o) for o in orders), start, finish), paused
 
 
-def table(predictions: Sequence[Prediction]) -> str:
-    """A plain-text table of predictions (the CLI's output); speed-up is against the 1-stage row (else the first)."""
-    base = next((p.subnets_per_s for p in predictions if p.stages == 1),
-                predictions[0].subnets_per_s if predictions else 1.0)
-    rows = [f"{'stages':>6} {'subnets/s':>10} {'samples/s':>10} {'speed-up':>8} {'bubble':>7} "
+def table(predictions: Sequence[Prediction], base: float | None = None) -> str:
+    """A plain-text table of predictions (the CLI's output); speed-up is against ``base`` subnets/s (default: the
+    1-stage, 1-replica row, else the first)."""
+    if base is None:
+        base = next((p.subnets_per_s for p in predictions if p.stages == 1 and p.replicas == 1),
+                    predictions[0].subnets_per_s if predictions else 1.0)
+    layouts = any(p.replicas > 1 for p in predictions)
+    rows = [f"{'S x D' if layouts else 'stages':>6} {'subnets/s':>10} {'samples/s':>10} {'speed-up':>8} {'bubble':>7} "
             + " ".join(f"{c[:5]:>5}" for c in CAUSES) + f" {'in-flight max/mean':>19}"]
     for p in predictions:
         split = p.stall_split()
         samples = "-" if p.samples_per_s is None else f"{p.samples_per_s:.0f}"
-        rows.append(f"{p.stages:>6} {p.subnets_per_s:>10.1f} {samples:>10} {p.subnets_per_s / base:>7.2f}x "
+        rows.append(f"{p.layout if layouts else p.stages:>6} {p.subnets_per_s:>10.1f} {samples:>10} "
+                    f"{p.subnets_per_s / base:>7.2f}x "
                     f"{100 * p.bubble_ratio:>6.1f}% " + " ".join(f"{100 * split[c]:>4.0f}%" for c in CAUSES)
                     + f" {max(p.inflight_max):>10} / {sum(p.inflight_mean) / p.stages:<6.2f}")
     return "\n".join(rows)
