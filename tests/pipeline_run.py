@@ -44,7 +44,10 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=1)
-    parser.add_argument("--num-stages", type=int, default=None, help="NASPipeStrategy(num_stages=...)")
+    parser.add_argument("--num-stages", type=lambda v: v if v == "auto" else int(v), default=None,
+                        help="NASPipeStrategy(num_stages=...), 'auto' too")
+    parser.add_argument("--force-layout", type=int, default=None,
+                        help="with --num-stages auto: the stages the choice returns (instead of the planner's)")
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--resume", default=None)
@@ -85,6 +88,13 @@ def main() -> None:
             return [range(0, cut), range(cut, ranges[1].stop), *ranges[2:]]
 
         placement_module.rebalanced = alternate  # type: ignore[assignment]
+    if args.force_layout is not None:
+        import lightning_naspipe.integration.strategy as strategy_module
+
+        def forced(*args_: object, **kwargs: object) -> tuple[int, str]:
+            return args.force_layout, f"forced layout: {args.force_layout} stages"
+
+        strategy_module.chosen_stages = forced  # type: ignore[assignment]
     if args.fake_block_costs:
         import lightning_naspipe.planning.block_timing as block_timing
 

@@ -12,6 +12,7 @@ import lightning_naspipe as lnp
 BAD = [
     ({"window": 0}, "window=0"), ({"window": 2.5}, "window=2.5"), ({"window": True}, "window=True"),
     ({"chunks": "4"}, "chunks='4'"), ({"num_stages": 0}, "num_stages=0"),
+    ({"num_stages": "automatic"}, "num_stages='automatic'.*'auto'"),
     ({"balance": [3, 0]}, r"balance=\[3, 0\]"), ({"balance": []}, r"balance=\[\]"), ({"balance": "32"}, "balance='32'"),
     ({"schedule": "1f1b"}, "schedule='1f1b'.*'csp'"), ({"rebalance_every": 0}, "rebalance_every=0"),
     ({"offload": "yes"}, "offload='yes'.*True or False"), ({"offload_budget_bytes": -1}, "offload_budget_bytes=-1"),
@@ -39,3 +40,4 @@ def test_timeout_in_seconds_and_good_arguments_are_kept() -> None:
     assert lnp.NASPipeStrategy(timeout=timedelta(minutes=1)).timeout == timedelta(minutes=1)
     assert lnp.NASPipeStrategy().defer_weight_grads is None
     assert lnp.NASPipeStrategy(defer_weight_grads=False).defer_weight_grads is False
+    assert lnp.NASPipeStrategy(num_stages="auto").num_stages == "auto"

@@ -123,3 +123,20 @@ def test_replicas_log_and_validate_as_the_plain_trainer(tmp_path: Path) -> None:
     assert [step for step, _, key, _ in rows if key == "train_loss_step"] == [str(s) for s in range(24)]
     assert any(key == "val_loss" for _, _, key, _ in rows)
     assert logged_rows(tmp_path / "piped") == rows
+
+
+@pytest.mark.parametrize("devices, forced", [(2, 1), (4, 2), (2, None)], ids=["2x1-to-1x2", "4x1-to-2x2", "planned"])
+def test_auto_layout_switches_before_the_first_window_and_changes_nothing(tmp_path: Path, plain_chunks4: dict,
+                                                                          devices: int, forced: int | None) -> None:
+    """num_stages="auto" starts with one stage per process; the first batch chooses (here forced, or the planner's
+    own choice) and every rank rebuilds its part before the first window trains."""
+    stderr = _launch(tmp_path, "--devices", str(devices), "--num-stages", "auto", "--window", "4", "--chunks", "4",
+                     *(["--force-layout", str(forced)] if forced is not None else []), keep_stderr=True)
+    ckpt = tmp_path / "run.ckpt"
+    assert_same_state(plain_chunks4, _state(ckpt))
+    splits = [torch.load(f"{ckpt}.ranges{rank}", weights_only=False) for rank in range(devices)]
+    assert all(split == splits[0] for split in splits)
+    if forced is not None:
+        assert len(splits[0]) == forced
+    else:
+        assert "num_stages='auto' chose" in stderr and "predicted subnets/s per stages x replicas: 1 x 2:" in stderr

@@ -67,11 +67,14 @@ class StageProcesses(_StrategyBase):
     #: importing this module (searching sits below the Lightning glue).
     _naspipe_stage_processes: bool = True
 
-    def _init_processes(self, num_stages: int | None, timeout: timedelta, process_group_backend: str | None,
+    def _init_processes(self, num_stages: int | Literal["auto"] | None, timeout: timedelta,
+                        process_group_backend: str | None,
                         start_method: Literal["popen", "spawn", "fork", "forkserver"]) -> None:
         """This part's settings (``NASPipeStrategy``'s arguments of the same names); one node until the
         Trainer sets ``num_nodes``."""
         self.num_stages = num_stages
+        #: The stages of the layout in use (``None``: one per process); ``num_stages="auto"`` sets it when it chooses.
+        self._stages = None if num_stages == "auto" else num_stages
         self.timeout = timeout
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -112,7 +115,7 @@ class StageProcesses(_StrategyBase):
     @property
     def layout(self) -> Layout:
         """Stages x replicas of this run (:class:`.Layout`; ranks stage-major)."""
-        return Layout.of(self.world_size, self.num_stages)
+        return Layout.of(self.world_size, self._stages)
 
     @property
     def stage(self) -> int:
@@ -152,7 +155,7 @@ class StageProcesses(_StrategyBase):
 
     @override
     def setup_environment(self) -> None:
-        Layout.of(self.world_size, self.num_stages)  # refuses a num_stages that does not divide the processes
+        Layout.of(self.world_size, self._stages)  # refuses a num_stages that does not divide the processes
         super().setup_environment()  # the namespace's ParallelStrategy
         if self.local_rank > 0:
             exit_with_parent()

@@ -118,6 +118,32 @@ class StagePlacement(NamespaceBinding):
         # A weight tied to an earlier stage's block is that stage's: this one holds a copy, no optimizer state.
         return {id(p) for i in own for p in supernet.blocks[i].parameters() if first[id(p)] in own}
 
+    def _release_engine(self) -> None:
+        """Close the engine's offloader and links (no copy thread, no shared memory left)."""
+        if self.engine is None:
+            return
+        if self.engine.offloader is not None:
+            self.engine.offloader.close()
+            self.engine.offloader = None
+        if self.engine.transport is not None:
+            self.engine.transport.close()
+            self.engine.transport = None
+        self.engine.close()
+
+
+    def _make_whole(self) -> None:
+        """Give every rank every block's weights and optimizer state (collective)."""
+        self.sync_weights()
+        if self.layout.stages > 1 and self.optimizers:
+            # The optimizer state too, so that a later validate/test/predict (which splits the blocks anew, by
+            # parameters) or another layout loses none of a block the timed split had moved.
+            inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
+            inner.load_state_dict(gather_optimizer_state(inner, self._owned(), self.root_device))
+        supernet_of(self.lightning_module).local_blocks = None  # whole again
+        self._whole = True
+
+    @override
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     @override

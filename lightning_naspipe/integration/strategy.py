@@ -13,13 +13,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_naspipe.integration.arguments import check_all
+from lightning_naspipe.integration.auto_layout import chosen_stages
 from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
 from lightning_naspipe.integration.binding import bind_classes
 from lightning_naspipe.integration.callback import StageWeightsSync
@@ -31,21 +32,17 @@ from lightning_naspipe.integration.data import (
     train_batch_limit,
     transfer_hooks_overridden,
 )
-from lightning_naspipe.transport.distributed import drop_foreign_state, gather_objects, gather_optimizer_state
-from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.transport.distributed import drop_foreign_state, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.microbatch import check_batch_sizes
 from lightning_naspipe.integration.mixin import NASPipeMixin
-from lightning_naspipe.pipeline.partition import block_weights, stage_ranges
+from lightning_naspipe.pipeline.partition import block_weights
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.progress import count_subnets
 from lightning_naspipe.pipeline.stage_table import chunks_hint, stage_table
 from lightning_naspipe.space.supernet import supernet_of
-from lightning_naspipe.integration.stage_placement import StagePlacement
-from lightning_naspipe.pipeline.telemetry import StageTelemetry, write_trace_files
-from lightning_naspipe.transport.failures import FailureBoard, default_store
-from lightning_naspipe.transport.p2p import P2PTransport
-from lightning_naspipe.transport.replica_links import ReplicaLinks, layout_groups
+from lightning_naspipe.integration.pipeline_build import PipelineBuilding
+from lightning_naspipe.pipeline.telemetry import write_trace_files
 
 
 # Lightning advises self.log(..., sync_dist=True) for epoch-level metrics of a distributed run. Every
@@ -54,7 +51,7 @@ from lightning_naspipe.transport.replica_links import ReplicaLinks, layout_group
 _SYNC_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
 
-class NASPipeStrategy(StagePlacement):
+class NASPipeStrategy(PipelineBuilding):
     """Trains a NASPipe supernet with causal-synchronous-parallel (CSP) pipelining.
 
     Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
@@ -80,7 +77,10 @@ class NASPipeStrategy(StagePlacement):
             one replica). Ranks are stage-major: a stage's replicas are neighbouring ranks. Each replica trains
             a contiguous share of every batch's ``chunks`` micro-batches (so ``chunks`` must be a multiple of
             the replicas), and the replicas sum their gradients in micro-batch order: results never depend
-            on the layout.
+            on the layout. ``"auto"``: the layout the planner predicts fastest, chosen on the first training
+            batch (rank 0 profiles the supernet on it, ~1-10 s; logged): the run starts with one stage per
+            process and, if another layout wins, makes every rank whole and rebuilds the pipeline before the
+            first window trains. Only layouts that leave ``chunks`` a multiple of the replicas are considered.
         balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
             and backward time, measured on the module's ``supernet_example_input`` when it sets one,
             else on the first training batch (``pipeline_input`` of it, on the stage's device): the
@@ -143,7 +143,7 @@ class NASPipeStrategy(StagePlacement):
         self,
         window: int = 8,
         chunks: int = 1,
-        num_stages: int | None = None,
+        num_stages: int | Literal["auto"] | None = None,
         balance: Sequence[int] | None = None,
         schedule: str = "csp",
         rebalance_every: int | None = 16,
@@ -175,18 +175,11 @@ class NASPipeStrategy(StagePlacement):
         self._init_processes(num_stages, checked["timeout"], process_group_backend, start_method)
         self._init_placement(offload, offload_budget_bytes,
                              rebalance_every if balance is None else None)  # an explicit balance is kept
-        self.window = window
-        self.chunks = chunks
-        self.balance: list[int] | None = checked["balance"]
+        self._init_building(window, chunks, checked["balance"], schedule, lookahead, defer_weight_grads, telemetry,
+                            trace_dir, transport)
         if schedule == "async":
             rank_zero_warn("NASPipeStrategy(schedule='async') ignores parameter sharing between in-flight subnets: "
                            "results are not reproducible. Use it only as a speed baseline.")
-        self.schedule = schedule
-        self.lookahead = lookahead
-        self.defer_weight_grads = defer_weight_grads
-        self.telemetry = telemetry or trace_dir is not None
-        self.trace_dir = trace_dir
-        self.transport = transport
         self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
         self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
@@ -210,67 +203,61 @@ class NASPipeStrategy(StagePlacement):
     def setup(self, trainer: Any) -> None:
         supernet = supernet_of(self.lightning_module)
         example = getattr(self.lightning_module, "supernet_example_input", None)
-        layout = self.layout
-        layout.check_chunks(self.chunks)
-        stages = layout.stages
+        if self.num_stages == "auto":  # one stage per process until the first training batch chooses
+            self._stages = None
+        self._choose_layout = self.num_stages == "auto" and self.world_size > 1 and trainer.training
+        self.layout.check_chunks(self.chunks)
         weights = None
-        if self.balance is None and example is not None and stages > 1:
+        if self.balance is None and example is not None and self.world_size > 1:
             weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast)
-        self.stage_ranges = stage_ranges(supernet, stages, self.balance, weights)
         self._split_costs = (weights, "ms") if weights is not None else (block_weights(supernet), "params")
         self._stages_reported = False
-        # Without a balance or an example input, the first real batch is timed (on_train_batch_start).
-        self._time_first_batch = self.balance is None and example is None and stages > 1
-        self._windows, self._busy_before = 0, [0.0] * stages
-        telemetry = StageTelemetry(self.stage, keep_trace=self.trace_dir is not None) if self.telemetry else None
-        column_group, replica_group = layout_groups(layout, self.root_device) if layout.replicas > 1 else (None, None)
-        names = [layout.name(rank) for rank in range(layout.world_size)]
-        transport = None
-        if stages > 1:
-            transport = P2PTransport(self.stage, layout.column(self.replica), self.root_device, self.timeout,
-                                     links=self.transport, spin_s=self.receive_spin_s, group=column_group, names=names)
-            transport.telemetry = telemetry
-        replicas = None
-        if layout.replicas > 1:
-            failures = transport.failures if transport is not None else FailureBoard(default_store(), self.global_rank,
-                                                                                     names)
-            replicas = ReplicaLinks(self.replica, layout.replica_ranks(self.stage), names, replica_group,
-                                    self.root_device, self.timeout, failures, self.transport, self.receive_spin_s)
-        self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
-                             schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload,
-                             defer_weight_grads=self.defer_weight_grads, replicas=replicas)
         self._loader: WindowLoader | None = None
         self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
-        if stages > 1:
-            supernet.local_blocks = self.engine.blocks
+        self._build_engine(trainer.training)
         super().setup(trainer)
-        self._whole = not (trainer.training and stages > 1)
         if self.optimizers and not self._whole:
             drop_foreign_state(self.optimizers[0], self._owned())
-        if self.offload:
-            self._build_offloader()
         count_subnets(trainer.progress_bar_callback, self.data_tracker)
         if trainer.training:
             call_per_subnet_batch(self.lightning_module, self.data_tracker)
-        if stages > 1 and trainer.training and not any(isinstance(c, StageWeightsSync)
+        if self.world_size > 1 and trainer.training and not any(isinstance(c, StageWeightsSync)
                                                                 for c in trainer.callbacks):
             trainer.callbacks.insert(0, StageWeightsSync())
         if self.world_size > 1:
             warnings.filterwarnings("ignore", message=_SYNC_ADVICE)  # the same filter once, however many fits
+
+    def _switch_layout(self, stages: int) -> None:
+        """Rebuild the pipeline as ``stages`` stages x the rest replicas (collective, before a window trains):
+        every rank first gets every block's weights and optimizer state."""
+        if stages == self.layout.stages:
+            return
+        self._make_whole()
+        self._release_engine()
+        self._stages = stages
+        self._build_engine(training=True)
+        if self.optimizers and not self._whole:
+            drop_foreign_state(self.optimizers[0], self._owned())
+        self.model_to_device()
+        self._wire_engine()
+
+    def _wire_engine(self) -> None:
+        """Connect the engine to the training run (after Lightning's training start)."""
+        assert self.engine is not None, "built at setup"
+        self.engine.signals = self._agreement  # the flags travel with each window's losses
+        if transfer_hooks_overridden(self._trainer(), self.lightning_module):
+            self.engine.lookahead = False  # Lightning runs them on each batch it hands over
+        if self.engine.transport is not None:
+            self.engine.transport.idle = self._read_ahead  # every stage reads every batch: read while waiting
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.world_size > 1:  # after Lightning registered its signal handlers
             assert self._namespace is not None
-            agreement = SigtermAgreement(self._namespace)
-            agreement.install(self._trainer())
-            assert self.engine is not None, "built at setup"
-            self.engine.signals = agreement  # the flags travel with each window's losses
-            if transfer_hooks_overridden(self._trainer(), self.lightning_module):
-                self.engine.lookahead = False  # Lightning runs them on each batch it hands over
-            if self.engine.transport is not None:
-                self.engine.transport.idle = self._read_ahead  # every stage reads every batch: read while waiting
+            self._agreement = SigtermAgreement(self._namespace)
+            self._agreement.install(self._trainer())
+            self._wire_engine()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -278,6 +265,14 @@ class NASPipeStrategy(StagePlacement):
         if self.engine is not None and self._ahead_for != self._batch_at:
             self.engine.drop_lookahead()  # the window it ran for did not come next (an epoch ended early)
         self._ahead_for = (-1, -1)
+        if self._choose_layout:
+            self._choose_layout = False
+            example = cast(Any, self.lightning_module).pipeline_input(batch[0])
+            stages, message = chosen_stages(supernet_of(self.lightning_module), example, self.world_size,
+                                            self.chunks, self.window, self.is_global_zero, self.broadcast,
+                                            self.root_device)
+            self._info(message)
+            self._switch_layout(stages)
         if self._time_first_batch:
             self._time_first_batch = False
             self._balance_by_time(batch[0])
@@ -310,26 +305,11 @@ class NASPipeStrategy(StagePlacement):
             self.engine.transport.idle = None
         if self.trace_dir is not None:
             self._write_trace()
-        self.sync_weights()
-        if self.layout.stages > 1 and self.optimizers:
-            # Every rank holds the whole optimizer state too, so that a later validate/test/predict (which
-            # splits the blocks anew, by parameters) loses none of a block the timed split had moved.
-            inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
-            inner.load_state_dict(gather_optimizer_state(inner, self._owned(), self.root_device))
-        supernet_of(self.lightning_module).local_blocks = None  # whole again
-        self._whole = True
+        self._make_whole()
 
-    @override
     def teardown(self) -> None:
         # After fit, validate, test or a failure: no copy thread left, and the supernet whole again.
-        if self.engine is not None and self.engine.offloader is not None:
-            self.engine.offloader.close()
-            self.engine.offloader = None
-        if self.engine is not None and self.engine.transport is not None:
-            self.engine.transport.close()
-            self.engine.transport = None
-        if self.engine is not None:
-            self.engine.close()
+        self._release_engine()
         supernet = getattr(self.lightning_module, "supernet", None)
         if supernet is not None:
             supernet.local_blocks = None
