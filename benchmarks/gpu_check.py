@@ -24,6 +24,9 @@ Rows (each configuration runs in fresh processes, ``common.launch``):
   run and the peak device bytes as a share of the stage's partition.
 - ``speed``: each zoo space, subnets/s of 2 stages over 1 device with default settings (2 GPUs and
   NCCL where they exist, else two processes sharing one device).
+- ``grid``: stages x data-parallel replicas. NB201 with ``chunks=4`` on 1 device against every layout of 2
+  processes (2x1, 1x2) and, with 4 GPUs, of 4 (4x1, 2x2, 1x4), over NCCL where there are as many GPUs as
+  processes (else gloo, the processes sharing one device): weights compared bitwise and subnets/s per layout.
 """
 
 from __future__ import annotations
@@ -59,8 +62,9 @@ def worker(cfg: dict[str, Any]) -> None:
     if cfg["stages"]:
         # Two stages on one device: two entries of the same device; on two GPUs: cuda:0 and cuda:1.
         parallel = [torch.device(d) for d in cfg["parallel_devices"]]
-        strategy = lnp.NASPipeStrategy(chunks=chosen.chunks, offload=cfg.get("offload", False),
-                                       process_group_backend=cfg["backend"], parallel_devices=parallel)
+        strategy = lnp.NASPipeStrategy(chunks=cfg.get("chunks") or chosen.chunks, offload=cfg.get("offload", False),
+                                       num_stages=cfg.get("num_stages"), process_group_backend=cfg["backend"],
+                                       parallel_devices=parallel)
     clock = Clock(chosen.warmup, 1)
     trainer = pl.Trainer(accelerator=device.type, devices=devices, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -79,17 +83,41 @@ def worker(cfg: dict[str, Any]) -> None:
 
 def _config(name: str, device: str, quick: bool, stages: int = 0, backend: str = "gloo",
             parallel: list[str] | None = None, exact: bool = False, offload: bool = False,
-            subnets: int = 0, clip: float | None = None) -> dict[str, Any]:
+            subnets: int = 0, clip: float | None = None, chunks: int | None = None,
+            num_stages: int | None = None) -> dict[str, Any]:
+    """One run: ``stages`` processes (0: the plain Trainer), ``num_stages`` of them pipeline stages (the rest
+    replicas; ``None``: all)."""
     weights = os.path.join(WEIGHTS_DIR, f"{name}-{stages}-{backend}-{offload}-{len(os.listdir(WEIGHTS_DIR))}.pt")
     return {"weights": weights, "space": name, "device": device, "quick": quick, "stages": stages, "backend": backend,
             "parallel_devices": parallel or [], "exact": exact, "offload": offload, "subnets": subnets,
-            "processes": max(stages, 1), "clip": clip}
+            "processes": max(stages, 1), "clip": clip, "chunks": chunks, "num_stages": num_stages}
 
 
 def _same_weights(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, str]:
     first, second = torch.load(a["weights"]), torch.load(b["weights"])
     differ = [k for k in first if not torch.equal(first[k], second[k])]
     return not differ and first.keys() == second.keys(), f"{len(differ)} of {len(first)} tensors differ"
+
+
+def grid_rows(run: Any, add: Any, one: str, gpus: int, quick: bool, space_name: str = "nb201", chunks: int = 4) -> None:
+    """Every stages x replicas layout of 2 (and, with 4 GPUs, 4) processes against 1 device: bitwise and speed."""
+    subnets = 32 if quick else 64
+    base = run(_config(space_name, one, quick, 1, "gloo", [one], exact=True, subnets=subnets, chunks=chunks))
+    for processes in (2, 4) if gpus >= 4 else (2,):
+        nccl = gpus >= processes
+        parallel = [f"cuda:{i}" for i in range(processes)] if nccl else [one] * processes
+        for stages in [s for s in range(processes, 0, -1) if processes % s == 0]:
+            label = f"grid {stages}x{processes // stages} ({'nccl' if nccl else 'gloo, one device'})"
+            cfg = _config(space_name, one, quick, processes, "nccl" if nccl else "gloo", parallel, exact=True,
+                          subnets=subnets, chunks=chunks, num_stages=stages)
+            result = run(cfg)
+            if ok(base) and ok(result):
+                same, detail = _same_weights(base, result)
+                add((label, space_name, "bitwise" if same else "DIFFERS",
+                     f"{detail}; {result['subnets_per_s']:.1f} subnets/s, "
+                     f"{result['subnets_per_s'] / base['subnets_per_s']:.2f}x 1 device"))
+            else:
+                add((label, space_name, "FAILED", result.get("error", base.get("error", ""))[:80]))
 
 
 def main() -> None:
@@ -165,6 +193,7 @@ def main() -> None:
                          f"{base['subnets_per_s']:.1f} -> {piped['subnets_per_s']:.1f} subnets/s"))
         else:
             add((f"speed ({two[2]})", name, "FAILED", piped.get("error", base.get("error", ""))[:80]))
+    grid_rows(run, add, one, gpus, args.quick)
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"\ngpu_check on {name} ({gpus} GPU(s)), torch {torch.__version__}, {time.monotonic() - started:.0f} s\n")
     print("| check | space | result | detail |\n|---|---|---|---|")

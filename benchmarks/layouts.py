@@ -8,8 +8,11 @@ can share every batch), in four configurations that give bitwise the same result
 - ``2 replicas``: ``NASPipeStrategy(chunks=2, num_stages=1)`` on 2 processes (S=1, D=2);
 - ``auto``: ``NASPipeStrategy(chunks=2, num_stages="auto")`` on 2 processes, and the layout it chose.
 
-Rounds rotate the order of the configurations; ratios are taken within a round against its 1-device
-run, and the table gives medians over ``--repeats`` rounds. Run from the repository root::
+Beside each measurement, the planner's prediction: what ``num_stages="auto"`` computes (the supernet
+profiled on the first batch's ``pipeline_input``, the CPU overheads of ``integration/auto_layout.py``), in a
+process of its own before the rounds. Rounds rotate the order of the configurations; ratios are taken within a
+round against its 1-device run, and the table gives medians over ``--repeats`` rounds. Run from the repository
+root::
 
     python benchmarks/layouts.py                      # every zoo space, 3 rounds
     python benchmarks/layouts.py --quick --repeats 1  # smaller models, fewer subnets
@@ -28,16 +31,20 @@ from common import add_common_args, fit_timed, launch, machine, ok, ran_as_worke
 from common import write_json
 from zoo_spaces import SPACES, space
 
-BASE, STAGES, REPLICAS, AUTO = "1 device", "2 stages", "2 replicas", "auto"
+BASE, STAGES, REPLICAS, AUTO, PREDICT = "1 device", "2 stages", "2 replicas", "auto", "predict"
 CONFIGS = (BASE, STAGES, REPLICAS, AUTO)
 CHUNKS = 2
 #: Per configuration: processes and ``num_stages``.
-LAYOUTS: dict[str, tuple[int, Any]] = {BASE: (1, None), STAGES: (2, None), REPLICAS: (2, 1), AUTO: (2, "auto")}
+LAYOUTS: dict[str, tuple[int, Any]] = {BASE: (1, None), STAGES: (2, None), REPLICAS: (2, 1), AUTO: (2, "auto"),
+                                       PREDICT: (1, None)}
 
 
 def worker(cfg: dict[str, Any]) -> None:
-    """Train one configuration of one space; rank 0 writes the result and the layout used."""
+    """Train one configuration of one space (or predict them all); rank 0 writes the result and the layout used."""
     chosen = space(cfg["space"], cfg["quick"])
+    if cfg["config"] == PREDICT:
+        predict(chosen, cfg)
+        return
     processes, num_stages = LAYOUTS[cfg["config"]]
     strategy = lnp.NASPipeStrategy(chunks=CHUNKS, num_stages=num_stages)
     fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, processes)
@@ -48,6 +55,30 @@ def worker(cfg: dict[str, Any]) -> None:
         result["layout"] = f"S={layout.stages} D={layout.replicas}"
         with open(cfg["out"], "w") as f:
             json.dump(result, f)
+
+
+def predict(chosen: Any, cfg: dict[str, Any]) -> None:
+    """The planner's subnets/s for 1 device and every layout of 2 processes, as ``num_stages="auto"`` predicts."""
+    import dataclasses
+
+    import torch
+
+    from lightning_naspipe.integration.auto_layout import CPU_OVERHEADS
+    from lightning_naspipe.planning import profile_supernet
+    from lightning_naspipe.planning.planner import plan_layouts, simulate
+    from lightning_naspipe.space.supernet import supernet_of
+
+    torch.set_num_threads(1)
+    module = chosen.model()
+    batch = next(iter(chosen.data(1)))
+    spec = dataclasses.replace(profile_supernet(supernet_of(module), module.pipeline_input(batch), repeats=1,
+                                                engine_seconds=0), **CPU_OVERHEADS)
+    window = lnp.NASPipeStrategy().window
+    rates = {BASE: simulate(spec, 1, window, CHUNKS).subnets_per_s}
+    for p in plan_layouts(spec, 2, window, CHUNKS):
+        rates[STAGES if p.stages == 2 else REPLICAS] = p.subnets_per_s
+    with open(cfg["out"], "w") as f:
+        json.dump({"subnets_per_s": rates[BASE], "predicted": rates}, f)
 
 
 def run(name: str, space_name: str, quick: bool) -> Any:
@@ -65,9 +96,11 @@ def main() -> None:
     args = parser.parse_args()
     if ran_as_worker(args, worker):
         return
+    predicted = {name: run(PREDICT, name, args.quick).get("predicted", {}) for name in args.spaces}
     rounds = rotated_rounds(CONFIGS, args.spaces, args.repeats, lambda c, s: run(c, s, args.quick))
-    print(f"\n{machine()}; chunks={CHUNKS}; {args.repeats} round(s); medians of subnets/s and of ratios to 1 device")
-    print(f"{'space':<14}{'1 device/s':>12}{'2 stages':>10}{'2 replicas':>12}{'auto':>8}  auto chose")
+    print(f"\n{machine()}; chunks={CHUNKS}; {args.repeats} round(s); medians of subnets/s and of ratios to 1 device; "
+          "(planner's prediction)")
+    print(f"{'space':<14}{'1 device/s':>18}{'2 stages':>18}{'2 replicas':>18}{'auto':>8}  auto chose")
     summary = {}
     for name, results in rounds.items():
         def median(values: list[float]) -> float:
@@ -78,8 +111,15 @@ def main() -> None:
         chose = sorted({r[AUTO].get("layout", "-") for r in results if ok(r[AUTO])}) or ["failed"]
         summary[name] = {"base": median([rate(r[BASE]) for r in results]), **ratios, "auto_chose": chose,
                          "errors": [f"{c}: {r[c]['error']}" for r in results for c in CONFIGS if not ok(r[c])]}
-        print(f"{name:<14}{summary[name]['base']:>12.2f}{ratios[STAGES]:>9.2f}x{ratios[REPLICAS]:>11.2f}x"
-              f"{ratios[AUTO]:>7.2f}x  {', '.join(chose)}")
+        guess = predicted[name]
+        base_guess = guess.get(BASE, float("nan"))
+
+        def vs(config: str) -> str:
+            return f"({guess.get(config, float('nan')) / base_guess:.2f}x)"
+
+        summary[name]["predicted"] = guess
+        print(f"{name:<14}{summary[name]['base']:>9.2f} ({base_guess:>5.1f}){ratios[STAGES]:>9.2f}x {vs(STAGES):>8}"
+              f"{ratios[REPLICAS]:>9.2f}x {vs(REPLICAS):>8}{ratios[AUTO]:>7.2f}x  {', '.join(chose)}")
         for error in summary[name]["errors"]:
             print(f"  failed: {error}")
     if args.json:

@@ -129,10 +129,9 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
     """
     if replicas < 1 or chunks % replicas:
         raise ValueError(f"chunks={chunks} must be a multiple of replicas={replicas}")
-    if replicas > 1:
-        prediction = simulate(_replica_share(spec, replicas), stages, window, chunks // replicas, schedule, subnets,
-                              seed, balance, architectures, batch_size, order, lookahead, defer_weight_grads)
-        return replace(prediction, chunks=chunks, replicas=replicas)
+    total_chunks, processes = chunks, stages * replicas
+    if replicas > 1:  # one replica's pipeline: its share of the micro-batches, each 1/chunks of the compute
+        spec, chunks = _replica_share(spec, replicas), chunks // replicas
     labels = spec.labels()
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -155,18 +154,18 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
     ranges = [range(bounds[s], bounds[s + 1]) for s in range(stages)]
     run = _rolled if lookahead and stages > 1 and schedule == "csp" and order == "engine" else _run
     defer = None  # one stage, or deferring forced off: no stage defers, and no subnet's resources are needed
-    if stages > 1 and defer_weight_grads is not False:
+    if stages > 1 and replicas == 1 and defer_weight_grads is not False:  # as the engine: never with replicas
         _, res, _ = _subnets(spec, ranges, architectures, chunks, 1.0)
         defer = deferring(spec, ranges, architectures, res, window, chunks, defer_weight_grads)
     pred = run(spec, ranges, architectures, window, chunks, schedule, order, 1.0, batch_size, defer)
     scale = 1.0
-    for _ in range(4 if stages > 1 and spec.parallel_slowdown > 1 else 0):
+    for _ in range(4 if processes > 1 and spec.parallel_slowdown > 1 else 0):
         # Contention: compute is parallel_slowdown x slower while every stage computes, less while some idle.
         span = pred.makespan_ms - pred.stalls_ms[0]["overhead"]
         busy = sum(pred.busy_ms) / (stages * span) if span else 0.0
         scale = (scale + 1 + (spec.parallel_slowdown - 1) * busy) / 2
         pred = run(spec, ranges, architectures, window, chunks, schedule, order, scale, batch_size, defer)
-    return pred
+    return replace(pred, chunks=total_chunks, replicas=replicas) if replicas > 1 else pred
 
 
 def _run(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mapping[str, int]], window: int, chunks: int,
@@ -281,8 +280,8 @@ def best_layout(predictions: Sequence[Prediction]) -> Prediction:
 
 def _replica_share(spec: SpaceSpec, replicas: int) -> SpaceSpec:
     """The space as one replica of ``replicas`` sees it: each candidate's compute is the replica's share of the
-    batch; each subnet's update waits for the chained reduction (``replicas - 1`` messages down, as many back),
-    and each window for the gather of the last stage's losses."""
+    batch; each subnet's update on a stage waits for the chained reduction of its gradients there (``replicas - 1``
+    messages down, as many back: :func:`_stage_costs`), and each window for the gather of the last stage's losses."""
     def share(ms: float | None) -> float | None:
         return None if ms is None else ms / replicas
 
@@ -290,8 +289,7 @@ def _replica_share(spec: SpaceSpec, replicas: int) -> SpaceSpec:
                                           input_backward_ms=share(c.input_backward_ms),
                                           weight_backward_ms=share(c.weight_backward_ms)) for c in b.candidates])
               for b in spec.blocks]
-    chain = 2 * (replicas - 1) * (spec.message_ms + spec.message_cpu_ms)
-    return replace(spec, blocks=blocks, subnet_overhead_ms=spec.subnet_overhead_ms + chain,
+    return replace(spec, blocks=blocks, reduce_hops=2.0 * (replicas - 1),
                    sync_ms=spec.sync_ms + spec.message_ms + spec.message_cpu_ms)
 
 
@@ -306,9 +304,12 @@ def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int
     backward = sum(o.backward_ms for o in ops) if split is None else sum(split)
     after = 0.0 if split is None else split[1]
     b = _ticks(scale * backward / chunks + over + messages)
+    # The replicas' reduction: each hop a message of the subnet's gradients on this stage (0 without replicas).
+    reduce = spec.reduce_hops * (spec.message_ms + spec.message_cpu_ms
+                                 + spec.message_ms_per_mb * sum(o.grad_bytes for o in ops) / 1e6)
     return {FORWARD: _ticks(scale * sum(o.forward_ms for o in ops) / chunks + over + messages), BACKWARD: b,
             SEND: b - round(scale * after / chunks * TICKS_PER_MS),
-            UPDATE: _ticks(scale * spec.update_ms * sum(o.stateful for o in ops) + over)}
+            UPDATE: _ticks(scale * spec.update_ms * sum(o.stateful for o in ops) + over + reduce)}
 
 
 def _timed(orders: Sequence[Sequence[Action]], costs: list[list[dict[str, int]]], latency: int,

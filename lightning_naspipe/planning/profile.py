@@ -81,9 +81,7 @@ def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats:
     ops = [candidates_of(b) for b in net.blocks]
     times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())), deferred=True)
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
-                        [CandidateSpec(*times.cost_ms(i, k), holds_state(op), any(True for _ in op.buffers()),
-                                       *(times.deferred_ms(i, k) or (None, None)))
-                         for k, op in enumerate(ops[i])])
+                        [_candidate(times, i, k, op) for k, op in enumerate(ops[i])])
               for i, block in enumerate(net.blocks)]
     # The mean, not the median: a path's step cost swings with what its nested choices trained
     # (bimodal on cells), and a run pays the average.
@@ -114,6 +112,13 @@ class _NullModule:
 
     def optimizers(self) -> Any:
         return SimpleNamespace(optimizer=self.optimizer, step=self.optimizer.step)
+
+
+def _candidate(times: Any, block: int, k: int, op: torch.nn.Module) -> CandidateSpec:
+    forward_ms, backward_ms = times.cost_ms(block, k)
+    input_ms, weight_ms = times.deferred_ms(block, k) or (None, None)
+    return CandidateSpec(forward_ms, backward_ms, holds_state(op), any(True for _ in op.buffers()), input_ms, weight_ms,
+                         sum(p.numel() * p.element_size() for p in op.parameters() if p.requires_grad))
 
 
 def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4, subnets: int = 64) -> float:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 __all__ = ["BlockSpec", "CandidateSpec", "SpaceSpec", "block_cost_ms", "candidate_ms", "wide_spec"]
 
 _OVERHEADS = ("update_ms", "action_overhead_ms", "message_ms", "message_cpu_ms", "parallel_slowdown",
-              "step_overhead_ms", "subnet_overhead_ms", "sync_ms")
+              "step_overhead_ms", "subnet_overhead_ms", "sync_ms", "message_ms_per_mb", "reduce_hops")
 
 
 def candidate_ms(seconds: Sequence[float]) -> float:
@@ -36,7 +36,8 @@ class CandidateSpec:
     """One candidate op: ``forward_ms``/``backward_ms`` per subnet batch; ``stateful``: parameters or buffers;
     ``buffers``: buffers, which a training forward may change (its forward then never runs ahead);
     ``input_backward_ms``/``weight_backward_ms``: its backward's two passes on a stage that defers weight
-    gradients (``None``: not measured, and a stage holding it is modelled as never deferring)."""
+    gradients (``None``: not measured, and a stage holding it is modelled as never deferring); ``grad_bytes``: its
+    trainable parameters' gradient bytes, which data-parallel replicas exchange in every update."""
 
     forward_ms: float
     backward_ms: float
@@ -44,6 +45,7 @@ class CandidateSpec:
     buffers: bool = False
     input_backward_ms: float | None = None
     weight_backward_ms: float | None = None
+    grad_bytes: int = 0
 
     @property
     def deferred_ms(self) -> tuple[float, float] | None:
@@ -86,6 +88,10 @@ class SpaceSpec:
         step_overhead_ms: fixed cost per window (Lightning's loop, building the schedule).
         subnet_overhead_ms: cost per subnet outside the pipeline (Lightning's logging and optimizer wrapper).
         sync_ms: extra fixed cost per window with several stages (sharing losses, awaiting sends).
+        message_ms_per_mb: a message's cost per MB of payload beyond ``message_ms`` (copies, and for the
+            replicas' reduction, the additions); the planner charges it for the replicas' gradient messages.
+        reduce_hops: messages on the critical path of each update's reduction among data-parallel replicas,
+            ``2 (replicas - 1)``; set by the planner when it simulates one replica (0: no replicas).
     """
 
     blocks: list[BlockSpec]
@@ -97,6 +103,8 @@ class SpaceSpec:
     step_overhead_ms: float = 0.0
     subnet_overhead_ms: float = 0.0
     sync_ms: float = 0.0
+    message_ms_per_mb: float = 0.0
+    reduce_hops: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.blocks:
