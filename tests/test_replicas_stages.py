@@ -29,7 +29,7 @@ def plain_chunks4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                         max_epochs=2)
 
 
-@pytest.mark.parametrize("devices, stages", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("devices, stages", [(2, 2), (2, 1), (4, 2)])
 def test_replicas_equal_the_plain_trainer(tmp_path: Path, plain_chunks4: dict, devices: int, stages: int) -> None:
     ckpt = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--window", "4",
                    "--chunks", "4")
@@ -140,3 +140,23 @@ def test_auto_layout_switches_before_the_first_window_and_changes_nothing(tmp_pa
         assert len(splits[0]) == forced
     else:
         assert "num_stages='auto' chose" in stderr and "predicted subnets/s per stages x replicas: 1 x 2:" in stderr
+
+
+def test_sigterm_on_one_replica_stops_every_rank_at_one_window_with_a_checkpoint_that_resumes(
+        tmp_path: Path, plain_chunks4: dict) -> None:
+    """Preemption flags are agreed in each pipeline and then across the replicas: a SIGTERM to stage 1's second
+    replica alone stops all four ranks at the same window; the checkpoint resumes on 2 stages bitwise."""
+    out = tmp_path / "run.ckpt"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "4", "--num-stages", "2",
+                           "--chunks", "4", "--window", "4", "--kill-stage", "3", "--kill-step", "9",
+                           "--kill-signal", "15", "--exception-checkpoint", str(tmp_path / "exc")],
+                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    saved = tmp_path / "exc" / "on_exception.ckpt"
+    assert saved.exists(), proc.stderr[-3000:]
+    assert not out.exists()  # training stopped early, on every rank
+    stopped_at = torch.load(saved, weights_only=False)["global_step"]
+    assert 9 <= stopped_at < 24
+    resumed = _state(_launch(tmp_path, "--devices", "2", "--chunks", "4", "--resume", str(saved), name="resumed"))
+    assert set(resumed["losses"]) == set(range(stopped_at, 24))
+    assert_same_state({**plain_chunks4, "losses": {i: plain_chunks4["losses"][i] for i in resumed["losses"]}},
+                      resumed)
