@@ -29,7 +29,15 @@ from typing import Any
 import lightning_naspipe as lnp
 from common import add_common_args, fit_timed, launch, machine, ok, ran_as_worker, rate, ratio, rotated_rounds
 from common import write_json
-from zoo_spaces import SPACES, space
+from unseen_spaces import UNSEEN
+from zoo_spaces import SPACES
+
+ALL_SPACES = {**SPACES, **UNSEEN}
+
+
+def space(name: str, quick: bool = False) -> Any:
+    """A zoo space, or one of ``unseen_spaces.py``."""
+    return ALL_SPACES[name](quick)
 
 BASE, STAGES, REPLICAS, AUTO, PREDICT = "1 device", "2 stages", "2 replicas", "auto", "predict"
 CONFIGS = (BASE, STAGES, REPLICAS, AUTO)
@@ -46,7 +54,7 @@ def worker(cfg: dict[str, Any]) -> None:
         predict(chosen, cfg)
         return
     processes, num_stages = LAYOUTS[cfg["config"]]
-    strategy = lnp.NASPipeStrategy(chunks=CHUNKS, num_stages=num_stages)
+    strategy = lnp.NASPipeStrategy(chunks=cfg["chunks"], num_stages=num_stages)
     fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, processes)
     if strategy.is_global_zero:
         with open(cfg["out"]) as f:
@@ -74,16 +82,16 @@ def predict(chosen: Any, cfg: dict[str, Any]) -> None:
     spec = dataclasses.replace(profile_supernet(supernet_of(module), module.pipeline_input(batch), repeats=1,
                                                 engine_seconds=0), **CPU_OVERHEADS)
     window = lnp.NASPipeStrategy().window
-    rates = {BASE: simulate(spec, 1, window, CHUNKS).subnets_per_s}
-    for p in plan_layouts(spec, 2, window, CHUNKS):
+    rates = {BASE: simulate(spec, 1, window, cfg["chunks"]).subnets_per_s}
+    for p in plan_layouts(spec, 2, window, cfg["chunks"]):
         rates[STAGES if p.stages == 2 else REPLICAS] = p.subnets_per_s
     with open(cfg["out"], "w") as f:
         json.dump({"subnets_per_s": rates[BASE], "predicted": rates}, f)
 
 
-def run(name: str, space_name: str, quick: bool) -> Any:
+def run(name: str, space_name: str, quick: bool, chunks: int = CHUNKS) -> Any:
     chosen = space(space_name, quick)
-    cfg = {"space": space_name, "quick": quick, "config": name, "processes": LAYOUTS[name][0],
+    cfg = {"space": space_name, "quick": quick, "config": name, "processes": LAYOUTS[name][0], "chunks": chunks,
            "subnets": chosen.subnets, "warmup": chosen.warmup, "batch": chosen.batch}
     return launch(__file__, cfg)
 
@@ -91,15 +99,17 @@ def run(name: str, space_name: str, quick: bool) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(SPACES))
+    parser.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(ALL_SPACES),
+                        help="zoo spaces (default: all), or unseen_spaces.py's (shufflenet)")
+    parser.add_argument("--chunks", type=int, default=CHUNKS, help=f"chunks of every run (default {CHUNKS})")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer subnets")
     args = parser.parse_args()
     if ran_as_worker(args, worker):
         return
-    predicted = {name: run(PREDICT, name, args.quick).get("predicted", {}) for name in args.spaces}
-    rounds = rotated_rounds(CONFIGS, args.spaces, args.repeats, lambda c, s: run(c, s, args.quick))
-    print(f"\n{machine()}; chunks={CHUNKS}; {args.repeats} round(s); medians of subnets/s and of ratios to 1 device; "
-          "(planner's prediction)")
+    predicted = {name: run(PREDICT, name, args.quick, args.chunks).get("predicted", {}) for name in args.spaces}
+    rounds = rotated_rounds(CONFIGS, args.spaces, args.repeats, lambda c, s: run(c, s, args.quick, args.chunks))
+    print(f"\n{machine()}; chunks={args.chunks}; {args.repeats} round(s); medians of subnets/s and of ratios to "
+          "1 device; (planner's prediction)")
     print(f"{'space':<14}{'1 device/s':>18}{'2 stages':>18}{'2 replicas':>18}{'auto':>8}  auto chose")
     summary = {}
     for name, results in rounds.items():
@@ -123,7 +133,7 @@ def main() -> None:
         for error in summary[name]["errors"]:
             print(f"  failed: {error}")
     if args.json:
-        write_json(args.json, {"machine": machine(), "chunks": CHUNKS, "rounds": rounds, "summary": summary})
+        write_json(args.json, {"machine": machine(), "chunks": args.chunks, "rounds": rounds, "summary": summary})
 
 
 if __name__ == "__main__":

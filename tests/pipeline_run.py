@@ -99,7 +99,8 @@ def main() -> None:
         import lightning_naspipe.planning.block_timing as block_timing
 
         def fake_timing(supernet: object, example: torch.Tensor, **kwargs: object) -> list[float]:
-            torch.save({"input": example.clone(), "device": str(kwargs.get("device"))}, args.out + ".timed_on")
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank times; one records it
+                torch.save({"input": example.clone(), "device": str(kwargs.get("device"))}, args.out + ".timed_on")
             return list(args.fake_block_costs)
 
         block_timing.timed_block_weights = fake_timing  # type: ignore[assignment]

@@ -45,20 +45,23 @@ def test_timing_a_wrong_example_input_names_the_block_and_the_fix() -> None:
         timed_block_weights(_conv_net(), torch.randn(4, 5))  # 5 features, not a 3-channel image
 
 
-def test_timed_weights_are_agreed_and_errors_reach_every_rank() -> None:
+def test_timed_weights_are_every_ranks_mean_and_errors_reach_every_rank() -> None:
     net = _conv_net()
-    sent: list = []
+    mine = timed_block_weights(net, torch.randn(2, 3, 8, 8))
+    gathered: list = []
 
-    def from_timing_rank(value: object) -> object:  # what the timing rank broadcasts, seen elsewhere
-        sent.append(value)
-        return value
+    def two_ranks(value: object) -> list:  # this rank's timing, and another rank's of twice those times
+        gathered.append(value)
+        return [value, ([2 * w for w in mine], "")]
 
-    weights = agreed_timed_weights(net, torch.randn(2, 3, 8, 8), True, from_timing_rank)
-    assert sent == [(weights, "")]
-    assert agreed_timed_weights(net, None, False, lambda _: sent[0]) == weights  # never times itself
-    error = (None, "Timing block 0 failed")
+    weights = agreed_timed_weights(net, torch.randn(2, 3, 8, 8), two_ranks)
+    assert gathered[0][1] == "" and len(weights) == len(mine)
+    assert all(w > 0 for w in weights)
+    elsewhere = agreed_timed_weights(net, torch.randn(2, 3, 8, 8), lambda value: [([1.0, 2.0, 3.0], ""),
+                                                                                  ([3.0, 4.0, 5.0], "")])
+    assert elsewhere == [2.0, 3.0, 4.0]  # the mean, the same on every rank
     with pytest.raises(lnp.NASPipeConfigError, match="Timing block 0 failed"):
-        agreed_timed_weights(net, None, False, lambda _: error)
+        agreed_timed_weights(net, torch.randn(2, 3, 8, 8), lambda value: [value, (None, "Timing block 0 failed")])
 
 
 class _Pair(nn.Module):

@@ -6,12 +6,15 @@ the engine), at ``setup`` and again when ``num_stages="auto"`` chooses another l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.stage_placement import StagePlacement
 from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.microbatch import split_batch
 from lightning_naspipe.pipeline.partition import stage_ranges
+from lightning_naspipe.planning.block_timing import agreed_timed_weights
+from lightning_naspipe.transport.distributed import gather_objects
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
 from lightning_naspipe.space.supernet import supernet_of
 from lightning_naspipe.transport.failures import FailureBoard, default_store
@@ -77,3 +80,21 @@ class PipelineBuilding(StagePlacement):
         self._whole = not (training and stages > 1)
         if self.offload:
             self._build_offloader()
+
+    def _balance_by_time(self, batch: Any) -> None:
+        """Time the blocks on a micro-batch of ``batch`` (the window's first) on this stage's device and move to
+        the split that balances that time (collective)."""
+        assert self.lightning_module is not None
+        supernet = supernet_of(self.lightning_module)
+        example = self.lightning_module.pipeline_input(batch)  # type: ignore[operator]
+        weights = self._timed_weights(example)
+        self._split_costs = (weights, "ms")
+        self._move_to(stage_ranges(supernet, self.layout.stages, None, weights),
+                      "balanced by block time measured on the first batch")
+
+    def _timed_weights(self, example: Any) -> list[float]:
+        """Each block's time on one micro-batch of ``example`` (what the first block receives for one subnet
+        batch), as a stage runs it: every rank times at once and the mean is agreed (collective)."""
+        piece = split_batch(example, self.chunks)[0][0]
+        return agreed_timed_weights(supernet_of(self.lightning_module), piece,
+                                    lambda value: gather_objects(value, self.world_size), self.root_device)

@@ -2,8 +2,9 @@
 them whole for checkpoints.
 
 The strategy starts on a split (an explicit ``balance``, timed blocks of ``supernet_example_input``, or
-parameter counts) and may move blocks twice over: to the split timed on the first batch, and every
-``rebalance_every`` windows off a stage whose measured busy time makes it the bottleneck. Each move hands
+parameter counts) and may move blocks twice over: to the split timed on the first batch, and after the first
+two windows and every ``rebalance_every`` windows off a stage whose measured busy time makes it the bottleneck
+(one edge block per check). Each move hands
 weights, buffers and optimizer state to the new owner (:mod:`.placement`), so results never depend on it.
 """
 
@@ -16,12 +17,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_naspipe.integration.binding import NamespaceBinding
-from lightning_naspipe.planning.block_timing import agreed_timed_weights
 from lightning_naspipe.transport.distributed import (drop_foreign_state, gather_objects, gather_optimizer_state,
                                                      sync_stage_weights)
 from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.pipeline.offload.offload import Offloader, estimated_bytes
-from lightning_naspipe.pipeline.partition import shared_buffer_cuts, stage_ranges
+from lightning_naspipe.pipeline.partition import shared_buffer_cuts
 from lightning_naspipe.pipeline.placement import first_blocks, move_blocks, place_module, rebalanced
 from lightning_naspipe.integration.processes import saving_is_collective
 from lightning_naspipe.space.supernet import supernet_of
@@ -62,16 +62,11 @@ class StagePlacement(NamespaceBinding):
         if self.offload_budget_bytes is not None:
             self.engine.memory_budget = (self.offload_budget_bytes, sizes)
 
-    def _balance_by_time(self, batch: Any) -> None:
-        """Time the blocks on ``batch`` (the window's first) on this stage's device and move to the split
-        that balances that time (collective)."""
-        assert self.lightning_module is not None
-        supernet = supernet_of(self.lightning_module)
-        example = self.lightning_module.pipeline_input(batch)  # type: ignore[operator]
-        weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast, self.root_device)
-        self._split_costs = (weights, "ms")
-        self._move_to(stage_ranges(supernet, self.layout.stages, None, weights),
-                      "balanced by block time measured on the first batch")
+    def _rebalances_before(self, window: int) -> bool:
+        """Whether the busy times are checked before the ``window``-th window of the fit (1-based): after the
+        first two windows, early, and then every ``rebalance_every``."""
+        return bool(self.rebalance_every) and self.layout.stages > 1 and (
+            window == 3 or window % (self.rebalance_every or 1) == 0)
 
     def _rebalance(self) -> None:
         """Move one block off the busiest stage if its measured busy time says it is clearly the

@@ -24,7 +24,6 @@ from lightning_naspipe.integration.auto_layout import chosen_stages
 from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
 from lightning_naspipe.integration.binding import bind_classes
 from lightning_naspipe.integration.callback import StageWeightsSync
-from lightning_naspipe.planning.block_timing import agreed_timed_weights
 from lightning_naspipe.integration.data import (
     DataTracker,
     WindowLoader,
@@ -82,18 +81,21 @@ class NASPipeStrategy(PipelineBuilding):
             process and, if another layout wins, makes every rank whole and rebuilds the pipeline before the
             first window trains. Only layouts that leave ``chunks`` a multiple of the replicas are considered.
         balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
-            and backward time, measured on the module's ``supernet_example_input`` when it sets one,
-            else on the first training batch (``pipeline_input`` of it, on the stage's device): the
-            run starts on a split by parameter counts and moves blocks, with their weights and
-            optimizer state, before the first window trains. Results never depend on the split.
+            and backward time on one micro-batch, measured on every rank at once and averaged, on the
+            module's ``supernet_example_input`` when it sets one, else on the first training batch
+            (``pipeline_input`` of it, on each rank's device): the run starts on a split by parameter
+            counts and moves blocks, with their weights and optimizer state, before the first window
+            trains. Results never depend on the split.
         schedule: ``"csp"`` (NASPipe); or, for comparison, ``"one_in_flight"`` (one subnet in the
             pipeline at a time, the research artifact's reproducible baseline), ``"gpipe"`` (the
             same with micro-batches filling and draining the pipeline per subnet; use ``chunks > 1``),
             or ``"async"`` (ignores parameter sharing between in-flight subnets: faster, but NOT
             reproducible). All but ``"async"`` keep the exactness contract.
-        rebalance_every: every this many windows, the stages' measured busy times are compared and, when
-            the busiest stage would get at least 10% faster, its edge block moves to a less busy
-            neighbour (weights, buffers and optimizer state move with it; logged). ``None`` keeps the
+        rebalance_every: after the first two windows and then every this many windows, the stages' measured
+            busy times are compared and, when moving the busiest stage's edge block to a less busy neighbour
+            would make it faster by 2% and by a quarter of its excess over the mean stage, the block moves
+            (weights, buffers and optimizer state move with it; logged). Many small blocks walk the cut toward
+            balance one check at a time. ``None`` keeps the
             split fixed; an explicit ``balance`` is never changed. Results never depend on it.
         offload: keep each stage's blocks (parameters, buffers and the optimizer state of
             candidates not in flight) in host memory — pinned on CUDA — and hold on the device only
@@ -209,7 +211,7 @@ class NASPipeStrategy(PipelineBuilding):
         self.layout.check_chunks(self.chunks)
         weights = None
         if self.balance is None and example is not None and self.world_size > 1:
-            weights = agreed_timed_weights(supernet, example, self.is_global_zero, self.broadcast)
+            weights = self._timed_weights(example)
         self._split_costs = (weights, "ms") if weights is not None else (block_weights(supernet), "params")
         self._stages_reported = False
         self._loader: WindowLoader | None = None
@@ -277,7 +279,7 @@ class NASPipeStrategy(PipelineBuilding):
             self._time_first_batch = False
             self._balance_by_time(batch[0])
         self._windows += 1
-        if self.rebalance_every and self.layout.stages > 1 and self._windows % self.rebalance_every == 0:
+        if self._rebalances_before(self._windows):
             self._rebalance()
 
     def upcoming_batches(self, first_index: int) -> list[Any] | None:
@@ -286,7 +288,7 @@ class NASPipeStrategy(PipelineBuilding):
         trainer = self._trainer()
         upcoming = self._loader.handed_out.get(first_index) if self._loader is not None else None
         if (upcoming is None or self.engine is None or not self.engine.lookahead or self.layout.stages == 1
-                or (self.rebalance_every and (self._windows + 1) % self.rebalance_every == 0)):  # blocks move first
+                or self._rebalances_before(self._windows + 1)):  # blocks move first
             return None
         if trainer.max_steps >= 0:
             upcoming = upcoming[: max(0, trainer.max_steps - first_index)]

@@ -95,19 +95,23 @@ def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[r
 
 
 def rebalanced(ranges: Sequence[range], busy: Sequence[float], weights: Sequence[float],
-               forbidden: frozenset[int] = frozenset(), margin: float = 0.1) -> list[range] | None:
+               forbidden: frozenset[int] = frozenset(), margin: float = 0.02,
+               excess: float = 0.25) -> list[range] | None:
     """One block moved off the busiest stage to a neighbour, if that clearly relieves the bottleneck.
 
     A stage's measured ``busy`` time is shared among its blocks in proportion to their ``weights``
     (the split's block costs); the move is the edge block toward a less busy neighbour whose
-    predicted new maximum is lowest.
+    predicted new maximum is lowest. It must lower the busiest stage's time by ``margin`` of it and by
+    ``excess`` of its excess over the mean stage, so that on a space of many small blocks (each a few
+    percent of a stage) repeated checks walk the cut toward balance, and near balance nothing moves.
 
     Args:
         ranges: the blocks of each stage now.
         busy: each stage's busy seconds over the same windows.
         weights: each block's cost estimate.
         forbidden: cut positions that must not be used (shared buffers, :func:`.partition.shared_buffer_cuts`).
-        margin: the busiest stage must get at least this much faster (0.1: by 10%).
+        margin: the busiest stage must get at least this much faster (0.02: by 2%).
+        excess: ... and faster by at least this share of its excess over the mean stage's busy time.
 
     Returns:
         The new ranges, or ``None`` when no move helps by ``margin``.
@@ -123,7 +127,8 @@ def rebalanced(ranges: Sequence[range], busy: Sequence[float], weights: Sequence
         after[slowest] -= moved
         after[neighbour] += moved
         cut = ranges[slowest].start + 1 if neighbour < slowest else ranges[slowest].stop - 1
-        if cut in forbidden or max(after) > busy[slowest] * (1 - margin):
+        needed = max(margin * busy[slowest], excess * (busy[slowest] - sum(busy) / len(busy)))
+        if cut in forbidden or max(after) > busy[slowest] - needed:
             continue
         new = list(ranges)
         if neighbour < slowest:

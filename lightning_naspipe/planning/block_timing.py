@@ -2,7 +2,8 @@
 
 Parameter counts are a poor proxy for compute (convolutions at high resolution, attention), so the
 strategy balances stages by time measured with :mod:`~lightning_naspipe.planning.block_cost`, on
-the first real batch (or ``supernet_example_input``), measured on one rank and shared.
+one micro-batch of the first real batch (or of ``supernet_example_input``), measured on every rank at once
+(as the stages run side by side) and averaged.
 """
 
 from __future__ import annotations
@@ -58,20 +59,22 @@ def timed_block_weights(supernet: Supernet, example_input: BlockValue, per_block
             for i, candidates in enumerate(times.forward)]
 
 
-def agreed_timed_weights(supernet: Supernet, example_input: BlockValue, timing_rank: bool,
-                         broadcast: Callable[[Any], Any], device: torch.device | None = None) -> list[float]:
-    """:func:`timed_block_weights` measured on one rank and ``broadcast`` to all, so every stage
-    process splits alike; a timing error is raised on every rank, not only the timing one."""
-    timed: tuple[list[float] | None, str] = (None, "")
-    if timing_rank:
-        try:
-            timed = (timed_block_weights(supernet, example_input, device=device), "")
-        except NASPipeConfigError as error:
-            timed = (None, str(error))
-    weights, message = broadcast(timed)
+def agreed_timed_weights(supernet: Supernet, example_input: BlockValue, gather: Callable[[Any], list[Any]],
+                         device: torch.device | None = None) -> list[float]:
+    """:func:`timed_block_weights` measured on every rank at once and averaged, so every process splits alike.
+
+    Every process times while the others do, as the stages compute side by side in training (both cores
+    busy on a small host), not one rank on an idle machine. ``gather`` gives every rank's value in rank order
+    (collective); a timing error on any rank is raised on every rank."""
+    timed: tuple[list[float] | None, str]
+    try:
+        timed = (timed_block_weights(supernet, example_input, device=device), "")
+    except NASPipeConfigError as error:
+        timed = (None, str(error))
+    parts = gather(timed)
+    message = next((message for _, message in parts if message), "")
     if message:
         raise NASPipeConfigError(message)
-    assert weights is not None
-    return list(weights)
+    return [sum(weights[i] for weights, _ in parts) / len(parts) for i in range(len(parts[0][0]))]
 
 
