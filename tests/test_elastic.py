@@ -41,7 +41,7 @@ def linear_space() -> lnp.Supernet:
 
 def architectures(supernet: lnp.Supernet) -> list[dict[str, int]]:
     labels = list(supernet.labels)
-    return [dict(zip(labels, values)) for values in itertools.product(*(range(supernet.labels[l]) for l in labels))]
+    return [dict(zip(labels, values)) for values in itertools.product(*(range(supernet.labels[label]) for label in labels))]
 
 
 def parameter_count(module: nn.Module) -> int:
