@@ -40,8 +40,8 @@ def linear_space() -> lnp.Supernet:
 
 
 def architectures(supernet: lnp.Supernet) -> list[dict[str, int]]:
-    labels = list(supernet.labels)
-    return [dict(zip(labels, values)) for values in itertools.product(*(range(supernet.labels[label]) for label in labels))]
+    labels, counts = list(supernet.labels), list(supernet.labels.values())
+    return [dict(zip(labels, values)) for values in itertools.product(*(range(n) for n in counts))]
 
 
 def parameter_count(module: nn.Module) -> int:
