@@ -287,7 +287,8 @@ class Scope:
         params: the trainable and frozen parameters it owns, each once.
         buffers: ``(module, name)`` of every buffer slot it owns.
         choices: per nested choice: its label, the choice values that activate each child scope,
-            and the child scopes.
+            and the child scopes. An :class:`Elastic` module's labels appear with no child scope: its
+            tensors are this scope's whatever the choice, and the entry records that the label is read.
     """
 
     path: tuple[int, ...]
