@@ -6,7 +6,9 @@ Importing the package registers ``strategy="naspipe"`` with every installed Ligh
 
 from lightning_naspipe.integration.callback import NASPipeCallback
 from lightning_naspipe.space.cells import Cell, Zero
-from lightning_naspipe.space.choice import Architecture, InputChoice, When
+from lightning_naspipe.space.choice import Architecture, Elastic, InputChoice, When
+from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm2d, ElasticConv2d, ElasticLinear
+from lightning_naspipe.space.elastic_blocks import ElasticAttention, ElasticDepth, ElasticMLP
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.export import load_subnet, save_subnet
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
@@ -20,8 +22,9 @@ from lightning_naspipe.space.choice import ChoiceBlock
 from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.transport.p2p import StageFailure
 
-__all__ = ["Architecture", "Cell", "ChoiceBlock", "EvolutionSearch", "GridSearch", "InputChoice", "NASPipeCallback",
-           "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch",
-           "SearchResult", "Searcher", "StageFailure", "Supernet", "When", "Zero", "__version__", "load_subnet",
-           "naspipe_cli", "recalibrate_batchnorm", "save_subnet", "search"]
+__all__ = ["Architecture", "Cell", "ChoiceBlock", "Elastic", "ElasticAttention", "ElasticBatchNorm1d",
+           "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth", "ElasticLinear", "ElasticMLP", "EvolutionSearch",
+           "GridSearch", "InputChoice", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy",
+           "RandomSearch", "Record", "SPOSSearch", "SearchResult", "Searcher", "StageFailure", "Supernet", "When",
+           "Zero", "__version__", "load_subnet", "naspipe_cli", "recalibrate_batchnorm", "save_subnet", "search"]
 __version__ = "0.2.0"

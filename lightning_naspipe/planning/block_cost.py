@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_naspipe.transport.boundary import cut, grad_targets, tensors_in
-from lightning_naspipe.space.choice import ChoiceBlock, active_architecture
+from lightning_naspipe.space.choice import active_architecture, choice_counts
 from lightning_naspipe.space.supernet import BlockValue
 from lightning_naspipe.pipeline.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.planning.space_spec import candidate_ms
@@ -142,8 +142,8 @@ def holds_state(op: nn.Module) -> bool:
 
 def nested_choice_counts(ops: list[list[nn.Module]]) -> dict[str, int]:
     """Candidates per label of the choices nested inside ``ops`` (a cell's edges, say)."""
-    return {m.label: len(m) for candidates in ops for op in candidates for m in op.modules()
-            if isinstance(m, ChoiceBlock) and m.label is not None}
+    return {label: count for candidates in ops for op in candidates for m in op.modules()
+            for label, count in choice_counts(m)}
 
 
 def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer | None, run: int,

@@ -6,6 +6,8 @@ each block's forward, so a ChoiceBlock may sit directly in the supernet's block 
 fixed block (one transformer layer with a choice of attention and a choice of MLP), or inside
 another choice's candidate. :class:`InputChoice` picks ``k`` of ``n`` inputs (DARTS-style cells,
 NNI's ``InputChoice``); :class:`When` runs its body only for some choices of a label.
+:class:`Elastic` is the base of choices whose candidates are slices of shared weights (elastic
+width, kernel size, depth; see :mod:`.elastic` and :mod:`.elastic_blocks`).
 
 The resource walk (:func:`scope_of`) cuts a block's module tree at these primitives: every
 *scope* (a block's fixed part, or one candidate's) owns the parameters and buffers reachable
@@ -95,6 +97,16 @@ class ChoiceBlock(nn.Module):
         return self.candidates[self.chosen_index()](*args, **kwargs)
 
 
+def choice_counts(module: nn.Module) -> list[tuple[str, int]]:
+    """The labels ``module`` itself decides by (not its children's) and their candidate counts: a
+    :class:`ChoiceBlock`'s label, an :class:`Elastic` module's dimensions; nothing for other modules."""
+    if isinstance(module, ChoiceBlock) and module.label is not None:
+        return [(module.label, len(module))]
+    if isinstance(module, Elastic):
+        return [(dim.label, len(dim.values)) for dim in module.dims.values() if dim.label is not None]
+    return []
+
+
 def candidates_of(block: nn.Module) -> list[nn.Module]:
     """The ops a supernet block chooses among: a :class:`ChoiceBlock`'s candidates, else the block itself."""
     return list(block.candidates) if isinstance(block, ChoiceBlock) else [block]
@@ -159,6 +171,86 @@ class When(nn.Module):
         return self.body(*args, **kwargs) if self.is_active() else None
 
 
+@dataclass
+class ElasticDim:
+    """One elastic dimension of an :class:`Elastic` module: its candidate values and its label.
+
+    Attributes:
+        values: the sizes a subnet may choose (widths, kernel sizes, head counts, depths); the label's
+            choice ``k`` picks ``values[k]``.
+        label: the decision it follows; ``None`` until the :class:`~.supernet.Supernet` assigns one.
+    """
+
+    values: tuple[int, ...]
+    label: str | None = None
+
+
+class Elastic(nn.Module):
+    """Base of choices whose candidates are slices of one module's shared weights.
+
+    Each elastic dimension (:class:`ElasticDim`, e.g. ``"width"`` or ``"kernel"``) is a choice under a
+    label, so the supernet registers, samples, validates and searches it like a :class:`ChoiceBlock`.
+    Every choice uses the same tensors, so the module's tensors belong to the scope it sits in (a
+    fixed block's, or a candidate's): all subnets through it share that one resource. A subclass
+    reads its sizes with :meth:`value` in ``forward`` and builds the smaller standalone module of an
+    architecture in :meth:`freeze_choice` (which :meth:`Supernet.freeze <.supernet.Supernet.freeze>`
+    calls after freezing the module's children).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dims: dict[str, ElasticDim] = {}
+
+    def add_dim(self, name: str, values: int | Sequence[int], label: str | None, minimum: int = 1) -> tuple[int, ...]:
+        """Declare dimension ``name``: a whole number is a fixed size, a sequence an elastic one (a choice).
+
+        Returns:
+            The candidate values (one value when fixed).
+
+        Raises:
+            NASPipeConfigError: values not whole numbers ``>= minimum``, or a label for a fixed size.
+        """
+        what = f"{type(self).__name__}({name}={values!r})"
+        elastic = not isinstance(values, int)
+        options = tuple(values) if isinstance(values, Sequence) and not isinstance(values, (str, bytes)) else (
+            (values,) if isinstance(values, int) else ())
+        if not options or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in options):
+            raise NASPipeConfigError(f"{what}: give a whole number >= {minimum} or a non-empty list of them, e.g. "
+                                     f"{name}=[{max(minimum, 1)}, {max(minimum, 1) * 2}].")
+        if label is not None and not isinstance(label, str):
+            raise NASPipeConfigError(f"{what}: its label must be a str, got {type(label).__name__}.")
+        if not elastic and label is not None:
+            raise NASPipeConfigError(f"{what} is a fixed size, so it takes no label {label!r}; give a list of sizes "
+                                     f"to make it elastic.")
+        if elastic:
+            self.dims[name] = ElasticDim(options, label)
+        return options
+
+    def set_label(self, name: str, label: str) -> None:
+        """Give dimension ``name`` its label (the supernet does so for those left ``None``)."""
+        self.dims[name].label = label
+
+    def value(self, name: str, fixed: tuple[int, ...] = ()) -> int:
+        """The active subnet's size along dimension ``name`` (``fixed[0]`` when it is not elastic)."""
+        dim = self.dims.get(name)
+        if dim is None:
+            return fixed[0]
+        return dim.values[_active_choice(dim.label, f"{type(self).__name__}'s {name}")]
+
+    def value_in(self, name: str, architecture: Mapping[str, int], fixed: tuple[int, ...] = ()) -> int:
+        """Dimension ``name``'s size in ``architecture`` (``fixed[0]`` when it is not elastic)."""
+        dim = self.dims.get(name)
+        if dim is None:
+            return fixed[0]
+        assert dim.label is not None, "labels are assigned when the Supernet is built"
+        return dim.values[architecture[dim.label]]
+
+    def freeze_choice(self, architecture: Mapping[str, int]) -> nn.Module:
+        """A standalone module computing what this one computes under ``architecture``, with copies of the
+        slices it uses (its children already frozen)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement freeze_choice")
+
+
 class _Pick(nn.Module):
     """One candidate of an :class:`InputChoice`: selects a fixed subset of its inputs."""
 
@@ -195,7 +287,8 @@ class Scope:
         params: the trainable and frozen parameters it owns, each once.
         buffers: ``(module, name)`` of every buffer slot it owns.
         choices: per nested choice: its label, the choice values that activate each child scope,
-            and the child scopes.
+            and the child scopes. An :class:`Elastic` module's labels appear with no child scope: its
+            tensors are this scope's whatever the choice, and the entry records that the label is read.
     """
 
     path: tuple[int, ...]
@@ -257,6 +350,8 @@ def _fill(scope: Scope, module: nn.Module, seen: set[int]) -> None:
     if id(module) in seen:
         return
     seen.add(id(module))
+    if isinstance(module, Elastic):  # its labels are read here; its tensors are this scope's, whatever the choice
+        scope.choices += [(dim.label, [], []) for dim in module.dims.values() if dim.label is not None]
     scope.params += [p for p in module.parameters(recurse=False) if all(p is not q for q in scope.params)]
     scope.buffers += [(module, n) for n, b in module._buffers.items() if b is not None]
     for child in module.children():

@@ -5,7 +5,8 @@ its chosen candidate, every :class:`~.choice.When` by its body or by nothing, so
 weight is copied and no active architecture is needed to run it. Weights tied inside the
 architecture stay tied. The result is an ``nn.Sequential`` of the blocks, which passes each
 block's output to the next exactly as :meth:`Supernet.forward <.supernet.Supernet.forward>` does,
-so its output equals the supernet's for that architecture bitwise.
+so its output equals the supernet's for that architecture bitwise. An elastic module
+(:class:`~.choice.Elastic`) becomes a smaller plain one holding copies of the slices it uses.
 
 :func:`recalibrate_batchnorm` gives a candidate the statistics it would have had alone: the
 supernet's running statistics mix every subnet that trained through a BatchNorm.
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_naspipe.space.choice import ChoiceBlock, When
+from lightning_naspipe.space.choice import ChoiceBlock, Elastic, When
 
 if TYPE_CHECKING:
     from lightning_naspipe.space.supernet import Supernet
@@ -49,7 +50,8 @@ def freeze(supernet: Supernet, architecture: Mapping[str, int], reinitialize: bo
     # deepcopy's memo maps an object's id to its copy: the unchosen parts are never copied.
     memo: dict[int, Any] = {id(module): Inactive() for module in unchosen}
     blocks = copy.deepcopy(supernet.blocks, memo)
-    frozen = nn.Sequential(*[_resolve(block, architecture) for block in blocks])
+    done: dict[int, nn.Module] = {}
+    frozen = nn.Sequential(*[_resolve(block, architecture, done) for block in blocks])
     setattr(frozen, "architecture", architecture)  # a plain attribute, read by save_subnet
     if reinitialize:
         for module in frozen.modules():
@@ -76,16 +78,22 @@ def _collect_unchosen(module: nn.Module, architecture: Mapping[str, int], out: l
             _collect_unchosen(child, architecture, out)
 
 
-def _resolve(module: nn.Module, architecture: Mapping[str, int]) -> nn.Module:
-    """``module`` with its choices replaced, in place (children), or its replacement."""
+def _resolve(module: nn.Module, architecture: Mapping[str, int], done: dict[int, nn.Module]) -> nn.Module:
+    """``module`` with its choices replaced, in place (children), or its replacement. ``done`` maps each
+    elastic module already frozen to its replacement, so one reused in two places stays one module."""
     if isinstance(module, ChoiceBlock):
         assert module.label is not None
-        return _resolve(module.candidates[architecture[module.label]], architecture)
+        return _resolve(module.candidates[architecture[module.label]], architecture, done)
     if isinstance(module, When):
-        return _resolve(module.body, architecture) if _is_active(module, architecture) else Inactive()
+        return _resolve(module.body, architecture, done) if _is_active(module, architecture) else Inactive()
+    if id(module) in done:
+        return done[id(module)]
     for name, child in list(module._modules.items()):
         if child is not None:
-            module._modules[name] = _resolve(child, architecture)
+            module._modules[name] = _resolve(child, architecture, done)
+    if isinstance(module, Elastic):  # the smaller module with copies of the slices this architecture uses
+        done[id(module)] = module.freeze_choice(architecture)
+        return done[id(module)]
     return module
 
 

@@ -23,7 +23,8 @@ from typing import Any, TypeAlias
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Scope, When, active_architecture, block_scope
+from lightning_naspipe.space.choice import (Architecture, ChoiceBlock, Elastic, Scope, When, active_architecture,
+                                            block_scope)
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.freezing import freeze
 
@@ -58,7 +59,9 @@ class Supernet(nn.Module):
         *blocks: plain ``nn.Module`` blocks (fixed, used by every subnet, possibly with
             :class:`ChoiceBlock` inside), :class:`ChoiceBlock`, or an object with a
             ``supernet_blocks()`` method (e.g. :class:`~.cells.Cell`), which contributes its blocks
-            in order so that the pipeline may cut inside it.
+            in order so that the pipeline may cut inside it. Elastic modules (:class:`~.choice.Elastic`,
+            e.g. ``ElasticLinear``) may sit anywhere too: each elastic dimension is a label, numbered
+            like a choice's candidates (choice ``k`` is the ``k``-th size).
     """
 
     def __init__(self, *blocks: nn.Module) -> None:
@@ -98,16 +101,25 @@ class Supernet(nn.Module):
                     f"Block {index} contains a Supernet ({name}); a supernet cannot nest another. Pass its blocks "
                     "to the outer Supernet directly, or use ChoiceBlock inside the block."
                 )
+            if isinstance(module, Elastic):
+                for dim_name, dim in module.dims.items():
+                    if dim.label is None:
+                        module.set_label(dim_name, f"{name}.{dim_name}")
+                    assert dim.label is not None
+                    self._add_label(dim.label, len(dim.values), f"{name} ({dim_name})")
             if not isinstance(module, ChoiceBlock):
                 continue
             if module.label is None:
                 module.label = name
-            count = self.labels.setdefault(module.label, len(module))
-            if count != len(module):
-                raise NASPipeConfigError(
-                    f"Choices sharing label {module.label!r} have different candidate counts ({count} and "
-                    f"{len(module)} at {name}); give them equal counts or different labels."
-                )
+            self._add_label(module.label, len(module), name)
+
+    def _add_label(self, label: str, count: int, where: str) -> None:
+        known = self.labels.setdefault(label, count)
+        if known != count:
+            raise NASPipeConfigError(
+                f"Choices sharing label {label!r} have different candidate counts ({known} and {count} at {where}); "
+                "give them equal counts or different labels."
+            )
 
     def _check_whens(self) -> None:
         for name, module in self.blocks.named_modules():
