@@ -18,13 +18,15 @@ from lightning_naspipe.integration.cli import naspipe_cli
 from lightning_naspipe.searching.searchers import (EvolutionSearch, GridSearch, RandomSearch, Record, Searcher,
                                                     SPOSSearch)
 from lightning_naspipe.integration.strategy import NASPipeStrategy
+from lightning_naspipe.pipeline.step_sampling import Constrained, FairNAS, Sandwich
 from lightning_naspipe.space.choice import ChoiceBlock
 from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.transport.p2p import StageFailure
 
-__all__ = ["Architecture", "Cell", "ChoiceBlock", "Elastic", "ElasticAttention", "ElasticBatchNorm1d",
+__all__ = ["Architecture", "Cell", "ChoiceBlock", "Constrained", "Elastic", "ElasticAttention", "ElasticBatchNorm1d",
            "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth", "ElasticLinear", "ElasticMLP", "EvolutionSearch",
-           "GridSearch", "InputChoice", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy",
-           "RandomSearch", "Record", "SPOSSearch", "SearchResult", "Searcher", "StageFailure", "Supernet", "When",
-           "Zero", "__version__", "load_subnet", "naspipe_cli", "recalibrate_batchnorm", "save_subnet", "search"]
+           "FairNAS", "GridSearch", "InputChoice", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin",
+           "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult", "Searcher",
+           "StageFailure", "Supernet", "When", "Zero", "__version__", "load_subnet", "naspipe_cli",
+           "recalibrate_batchnorm", "save_subnet", "search"]
 __version__ = "0.2.0"

@@ -16,6 +16,9 @@ import lightning_naspipe as lnp
 
 FEATURES = 6
 CLASSES = 3
+#: The step samplers LNP_TEST_RECIPE selects.
+RECIPES: dict[str, Any] = {"sandwich": lambda: lnp.Sandwich(1), "fairnas": lnp.FairNAS,
+                           "constrained": lambda: lnp.Constrained(max_params=200, num_subnets=2)}
 
 #: The Lightning namespace the tests use by default; the subprocess runners (pipeline_run.py) take
 #: it from the environment so one test can run them under either.
@@ -34,6 +37,8 @@ class ToyBody(lnp.NASPipeMixin):
         # LNP_TEST_CHOICE_STEM=1: a choice of stems, so that the next window's forwards can run early.
         stem = (lnp.ChoiceBlock([nn.Linear(FEATURES, width) for _ in range(4)])
                 if os.environ.get("LNP_TEST_CHOICE_STEM") else nn.Linear(FEATURES, width))
+        # LNP_TEST_RECIPE: several subnets per step (the sandwich rule with distillation, FairNAS, constrained).
+        self.step_sampler = RECIPES[os.environ["LNP_TEST_RECIPE"]]() if os.environ.get("LNP_TEST_RECIPE") else None
         self.supernet = lnp.Supernet(
             stem,  # trainable stem: conflicts with every subnet
             lnp.ChoiceBlock([nn.Sequential(nn.Linear(width, width), nn.ReLU()), nn.Identity(),
@@ -45,8 +50,11 @@ class ToyBody(lnp.NASPipeMixin):
             nn.Linear(width, CLASSES),  # trainable head
         )
 
-    def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return nn.functional.cross_entropy(output, batch[1])
+    def compute_loss(self, output: torch.Tensor, batch: Any, teacher: torch.Tensor | None = None) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(output, batch[1])
+        if teacher is None:  # one subnet per step, or the step's first: no in-place distillation
+            return loss
+        return loss + nn.functional.kl_div(output.log_softmax(-1), teacher.softmax(-1), reduction="batchmean")
 
     def on_train_subnet_end(self, index: int, architecture: dict[str, int], loss: torch.Tensor) -> None:
         self.losses[index] = loss.clone()

@@ -44,6 +44,9 @@ class FakeModule:
     def sample_subnet(self, index: int) -> dict[str, int]:
         return uniform_architecture(self.supernet.labels, self.naspipe_seed, index)
 
+    def sample_step(self, step: int) -> list[dict[str, int]]:
+        return [self.sample_subnet(step)]
+
     def pipeline_input(self, batch: Any) -> Any:
         return batch[0]
 

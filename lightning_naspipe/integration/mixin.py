@@ -6,7 +6,7 @@ It works with the LightningModule of either namespace (``lightning.pytorch`` or 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any, cast
 
@@ -53,6 +53,9 @@ class NASPipeMixin:
 
     supernet: Supernet
     supernet_example_input: Any = None
+    #: Several subnets per training step: ``step_sampler(supernet, seed, step)`` gives their architectures
+    #: (``lnp.Sandwich``, ``lnp.FairNAS``, ``lnp.Constrained``); ``None``: one subnet per step (``sample_subnet``).
+    step_sampler: Any = None
     naspipe_allow_nonfinite_loss: bool = False
 
     # -- what users implement or override ------------------------------------------------
@@ -74,6 +77,21 @@ class NASPipeMixin:
         from the global RNG): every stage evaluates it on its own and resume relies on it.
         """
         return uniform_architecture(self._supernet().labels, self.naspipe_seed, index)
+
+    def sample_step(self, step: int) -> Sequence[Architecture]:
+        """The architectures trained in training step ``step``, on its batch, in the order their gradients
+        accumulate before the step's one optimizer update.
+
+        Default: ``self.step_sampler(self.supernet, self.naspipe_seed, step)`` when the module sets one
+        (e.g. ``self.step_sampler = lnp.Sandwich(2)`` in ``__init__``), else ``[self.sample_subnet(step)]``. Like
+        ``sample_subnet``, keep it a pure function of ``step``. When ``compute_loss`` has a parameter named
+        ``teacher``, every subnet of a step after the first gets the first one's detached output for the same
+        batch there (in-place distillation); the first gets ``None``.
+        """
+        sampler = self.step_sampler
+        if sampler is None:
+            return [self.sample_subnet(step)]
+        return list(sampler(self._supernet(), self.naspipe_seed, step))
 
     def on_train_subnet_end(self, index: int, architecture: Architecture, loss: Tensor) -> None:
         """Called after subnet ``index`` is trained and updated, with its (detached) loss."""

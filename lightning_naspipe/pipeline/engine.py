@@ -23,6 +23,7 @@ import torch
 from lightning_naspipe.pipeline.clipping import UpdateClipping, clips, clips_by_norm
 from lightning_naspipe.pipeline.executor import StageExecutor, StageModule, Transport, Window
 from lightning_naspipe.pipeline.grad_norm import NormExchange
+from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.lookahead import plan_step
 from lightning_naspipe.pipeline.microbatch import Batch, split_batch
 from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
@@ -102,8 +103,10 @@ def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range
             raise ValueError("lookahead plans schedule='csp' without a memory budget only")
         if upcoming is not None:
             window = Window(window.first_index, window.architectures + upcoming.architectures,
-                            window.pieces + upcoming.pieces)
-    resources = [[supernet.resources(blocks, arch) for blocks in stage_blocks] for arch in window.architectures]
+                            window.pieces + upcoming.pieces, steps=window.steps + upcoming.steps)
+    # A step's resources: those of every subnet it trains (they all read the weights the step's update writes).
+    resources = [[frozenset().union(*(supernet.resources(blocks, arch) for arch in step)) for blocks in stage_blocks]
+                 for step in window.steps]
     ties = ties_of(supernet, stage_blocks)
     if ties is not None:
         resources = with_ties(resources, ties.homes)
@@ -144,6 +147,8 @@ class EngineModule(StageModule, Protocol):
     def trainer(self) -> Any: ...
 
     def sample_subnet(self, index: int) -> dict[str, int]: ...
+
+    def sample_step(self, step: int) -> Sequence[dict[str, int]]: ...
 
     def optimizers(self) -> Any: ...
 
@@ -274,8 +279,15 @@ class Engine:
                        and self.offloader is None and self.memory_budget is None)
         following = self._window(module, upcoming, first_index + len(batches)) if upcoming and looks_ahead else None
         norms = len(self.stage_blocks) > 1 and (clips_by_norm(module) if self.clip_norms is None else self.clip_norms)
+        subnets = {len(step) for step in window.steps + (following.steps if following is not None else [])}
+        if len(subnets) != 1 or (self.replicas is not None and subnets != {1}):
+            raise NASPipeConfigError(
+                f"The training steps of one window train {sorted(subnets)} subnets each (sample_step): give every "
+                "step the same number" + ("; and with data-parallel replicas, one subnet per step (set num_stages to "
+                                          "the number of processes)" if self.replicas is not None else "") + ".")
         return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule,
-                                                   len(self.chunk_share), self.memory_budget, following, done, norms))
+                                                   len(self.chunk_share) * subnets.pop(), self.memory_budget,
+                                                   following, done, norms))
 
     def drop_lookahead(self) -> None:
         """Forget the forwards run ahead for a next window that did not come (e.g. the epoch ended)."""
@@ -291,8 +303,12 @@ class Engine:
             self.transport.drop_from(first)
 
     def _window(self, module: EngineModule, batches: Sequence[Batch], first_index: int) -> Window:
-        architectures = [module.supernet.validate(module.sample_subnet(first_index + k)) for k in range(len(batches))]
-        return Window(first_index, architectures, [split_batch(batch, self.chunks) for batch in batches])
+        steps = [[module.supernet.validate(a) for a in module.sample_step(first_index + k)]
+                 for k in range(len(batches))]
+        if not all(steps):
+            raise NASPipeConfigError("sample_step returned no architecture; give at least one per training step.")
+        return Window(first_index, [step[0] for step in steps], [split_batch(batch, self.chunks) for batch in batches],
+                      steps=steps)
 
     def run_window(self, module: EngineModule, plan: WindowPlan) -> Window:
         """Run this stage's row of ``plan``: forwards, backwards and per-subnet updates."""
@@ -330,12 +346,13 @@ class Engine:
             self.deferral.record(defer, executor.seconds_to_send)
         if residency is not None:
             residency.finish()
-        own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size])
+        own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size],
+                     steps=window.steps[:plan.size])
         own.records = self._window_losses(window, plan.size)
         own.losses = window.losses[:plan.size]
         if plan.size < len(window.architectures):
             following = Window(window.first_index + plan.size, window.architectures[plan.size:],
-                               window.pieces[plan.size:])
+                               window.pieces[plan.size:], steps=window.steps[plan.size:])
             self._ahead = (following, plan.carried)
             self.forwards_ahead += sum(s == self.stage for s, _ in plan.carried)
         if self.transport is not None or self.replicas is not None:
@@ -367,6 +384,12 @@ class Engine:
             chunk_losses = [[loss for losses, _ in parts for loss in losses[k]] for k in range(size)]
             records = [r for _, kept in parts for r in kept]  # replica order is micro-batch order
         window.losses[:size] = [ordered_sum(losses) for losses in chunk_losses[:size]]
+        for k in range(size):  # several subnets per step: each one's loss too, logged in the step's turn
+            pieces, count = len(window.pieces[k]), len(window.steps[k])
+            if count > 1 and window.losses[k] is not None:
+                records += [(window.first_index + k, f"train_loss_subnet{j}",
+                             ordered_sum(chunk_losses[k][j * pieces:(j + 1) * pieces]), (), {})
+                            for j in range(count)]
         return records
 
     def evaluate(self, module: EngineModule, batch: Batch, architecture: dict[str, int]) -> BlockValue:

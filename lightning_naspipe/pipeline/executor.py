@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
+import inspect
 from dataclasses import dataclass, field
 import time
 from typing import Any, Protocol, TypeVar
@@ -18,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from lightning_naspipe.transport.boundary import Gradients, backward_through, cut, device_of, leaf_grads
+from lightning_naspipe.transport.boundary import Gradients, backward_through, cut, device_of, leaf_grads, map_tensors
 from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.transport.torch_links import IdleWork
 from lightning_naspipe.errors import NASPipeConfigError
@@ -137,6 +138,9 @@ class Window:
         losses: per subnet, its loss (the weighted sum of its micro-batch losses, in micro-batch
             order); filled on the last stage only, from :attr:`chunk_losses`, when the window has run.
         chunk_losses: per subnet, each micro-batch's weighted loss where this process computed it.
+        steps: per training step (a "subnet" above), the architectures it trains on its batch, in the order
+            their gradients accumulate (``[architecture]`` by default): micro-batch ``m`` of step ``k`` is
+            piece ``m % len(pieces[k])`` run by ``steps[k][m // len(pieces[k])]``.
         records: what ``compute_loss`` recorded on the last stage (see :func:`loss_context`), in the
             order it ran; after :meth:`.Engine.run_window`, the last stage's on every stage.
     """
@@ -147,10 +151,21 @@ class Window:
     losses: list[Tensor | None] = field(default_factory=list)
     records: list[Any] = field(default_factory=list)
     chunk_losses: list[list[Tensor | None]] = field(default_factory=list)
+    steps: list[list[Architecture]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.losses = [None] * len(self.architectures)
-        self.chunk_losses = [[None] * len(pieces) for pieces in self.pieces]
+        if not self.steps:
+            self.steps = [[architecture] for architecture in self.architectures]
+        self.chunk_losses = [[None] * (len(pieces) * len(step)) for pieces, step in zip(self.pieces, self.steps)]
+
+    def micro_batch(self, k: int, m: int) -> tuple[Architecture, BlockValue, float, int, int]:
+        """Micro-batch ``m`` of step ``k``: its architecture, batch piece and weight, and which subnet of the
+        step and which piece of the batch it is."""
+        pieces = len(self.pieces[k])
+        j, c = divmod(m, pieces)
+        piece, weight = self.pieces[k][c]
+        return self.steps[k][j], piece, weight, j, c
 
 
 class StageExecutor:
@@ -207,6 +222,9 @@ class StageExecutor:
         self.ties = ties
         self.chunk_offset = chunk_offset
         self.replicas = replicas
+        # The first subnet's detached output per (step, batch piece), for the step's later subnets (distillation).
+        self._teachers: dict[tuple[int, int], BlockValue] = {}
+        self._teacher_parameter: bool | None = None
         #: Per backward, seconds from having its output gradients to sending its input gradients.
         self.seconds_to_send: list[float] = []
 
@@ -280,7 +298,8 @@ class StageExecutor:
             self._forward_chunk(window, k, c)
 
     def _forward_chunk(self, window: Window, k: int, c: int) -> None:
-        piece, weight = window.pieces[k][self.chunk_offset + c]
+        m = self.chunk_offset + c
+        architecture, piece, weight, subnet, chunk = window.micro_batch(k, m)
         index = window.first_index + k
         ties = self.ties if c == 0 else None  # tied values travel with a subnet's first activation
         passing: dict[int, Tensor] = {}
@@ -291,19 +310,27 @@ class StageExecutor:
             x = self.transport.recv_activation(index, c)
             if ties is not None:
                 x, passing = ties.take_values(k, x)
-        saved = list(self._run_blocks(x, window.architectures[k], index, self.chunk_offset + c))
+        saved = list(self._run_blocks(x, architecture, index, m))
         y = saved[-1][1]
         if self.is_last:
             token = _LOSS_CONTEXT.set((index, window.records))
             try:
-                loss = self.module.compute_loss(y, piece)
+                if self._wants_teacher():  # in-place distillation: the step's first subnet teaches the others
+                    teacher = self._teachers.get((index, chunk)) if subnet else None
+                    if subnet == 0 and len(window.steps[k]) > 1:
+                        self._teachers[(index, chunk)] = map_tensors(lambda t: t.detach(), y)
+                    loss = self.module.compute_loss(y, piece, teacher=teacher)  # type: ignore[call-arg]
+                    if subnet == len(window.steps[k]) - 1:
+                        self._teachers.pop((index, chunk), None)
+                else:
+                    loss = self.module.compute_loss(y, piece)
             finally:
                 _LOSS_CONTEXT.reset(token)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 raise TypeError(f"compute_loss must return a scalar tensor, got {describe(loss)}.")
             if len(window.pieces[k]) > 1:
                 loss = loss * weight
-            window.chunk_losses[k][self.chunk_offset + c] = loss.detach()
+            window.chunk_losses[k][m] = loss.detach()
             saved[-1] = (saved[-1][0], loss)
         else:
             assert self.transport is not None
@@ -327,7 +354,7 @@ class StageExecutor:
         blocks = reversed(self.blocks)
         inputs, outputs = saved.pop()
         block = next(blocks)
-        architecture = window.architectures[k]
+        architecture = window.micro_batch(k, self.chunk_offset + c)[0]
         passing: list[Any] = []
         contributions: list[Tensor | None] = []  # to parameters tied to an earlier stage's (see ties.py)
         if self.is_last:
@@ -355,6 +382,12 @@ class StageExecutor:
             self.transport.send_gradient(index, c, grads)
         if deferred is not None:
             deferred.run()
+
+    def _wants_teacher(self) -> bool:
+        """Whether ``compute_loss`` takes a ``teacher`` (in-place distillation)."""
+        if self._teacher_parameter is None:
+            self._teacher_parameter = "teacher" in inspect.signature(self.module.compute_loss).parameters
+        return self._teacher_parameter
 
     def _capturing(self, k: int, block: int, contributions: list[Tensor | None], backward: Callable[[], _T]) -> _T:
         """``backward()`` of ``block``; with a copy of a parameter tied to an earlier stage's in it, that copy's
