@@ -39,6 +39,9 @@ class ToyBody(lnp.NASPipeMixin):
                 if os.environ.get("LNP_TEST_CHOICE_STEM") else nn.Linear(FEATURES, width))
         # LNP_TEST_RECIPE: several subnets per step (the sandwich rule with distillation, FairNAS, constrained).
         self.step_sampler = RECIPES[os.environ["LNP_TEST_RECIPE"]]() if os.environ.get("LNP_TEST_RECIPE") else None
+        if os.environ.get("LNP_TEST_SPACE") == "elastic":  # candidates are slices of shared weights
+            self.supernet = elastic_supernet(width)
+            return
         self.supernet = lnp.Supernet(
             stem,  # trainable stem: conflicts with every subnet
             lnp.ChoiceBlock([nn.Sequential(nn.Linear(width, width), nn.ReLU()), nn.Identity(),
@@ -71,6 +74,17 @@ class ToyBody(lnp.NASPipeMixin):
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def elastic_supernet(width: int) -> lnp.Supernet:
+    """ToyNet's elastic twin (LNP_TEST_SPACE=elastic): elastic widths, BatchNorm over elastic channels, dropout."""
+    half = width // 2
+    return lnp.Supernet(
+        lnp.ElasticLinear(FEATURES, [half, width], label="w1"),
+        nn.Sequential(lnp.ElasticBatchNorm1d([half, width], label="w1"), nn.ReLU()),
+        lnp.ElasticLinear([half, width], [half, width], in_label="w1", label="w2"),
+        nn.Sequential(nn.Dropout(0.2), lnp.ElasticLinear([half, width], CLASSES, in_label="w2")),
+    )
 
 
 class LightningToyNet(ToyBody, lightning.pytorch.LightningModule):

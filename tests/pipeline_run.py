@@ -72,6 +72,7 @@ def main() -> None:
                         help="also ModelCheckpoint(every_n_train_steps=N) into OUT.steps/, every checkpoint kept")
     parser.add_argument("--clip-val", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--clip-algorithm", default=None, help="Trainer(gradient_clip_algorithm=...)")
+    parser.add_argument("--rebalance-every", type=int, default=16, help="NASPipeStrategy(rebalance_every=...), 0: None")
     parser.add_argument("--force-rebalance", action="store_true",
                         help="check the balance every window and move the first stage cut there and back")
     args = parser.parse_args()
@@ -128,7 +129,7 @@ def main() -> None:
         strategy=lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, num_stages=args.num_stages,
                                     offload=args.offload,
                                     schedule=args.schedule, timeout=args.timeout, transport=args.transport,
-                                    rebalance_every=1 if args.force_rebalance else 16),
+                                    rebalance_every=1 if args.force_rebalance else args.rebalance_every or None),
         devices=args.devices,
         num_nodes=args.num_nodes, max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks,
         gradient_clip_val=args.clip_val, gradient_clip_algorithm=args.clip_algorithm, **logging,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -137,3 +139,18 @@ def test_cli_shipped_config(digits: ModuleType, tmp_path: Path, monkeypatch: pyt
     assert cli.trainer.max_epochs == 40
     assert cli.trainer.global_step == 6
     assert (tmp_path / "runs" / "digits" / "supernet.ckpt").is_file()  # where digits_search.yaml reads it
+
+
+@pytest.mark.slow
+def test_ofa_example_trains_searches_and_exports_a_smaller_subnet(tmp_path: Path) -> None:
+    """examples/ofa_digits.py end to end on 2 stage processes (sandwich rule, distillation, FLOPs-budgeted search)."""
+    import subprocess
+
+    script = Path(__file__).parents[1] / "examples" / "ofa_digits.py"
+    done = subprocess.run([sys.executable, str(script), "--epochs", "1", "--out", str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("sandwich: best"))
+    params, total = re.search(r"(\d+) parameters; the supernet has (\d+)", line).groups()  # type: ignore[union-attr]
+    assert int(params) < int(total) and (tmp_path / "best_subnet_sandwich").is_dir()

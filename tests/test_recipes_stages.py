@@ -26,13 +26,16 @@ def _plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str, chunks:
     return _plain_state(tmp_path, strategy=strategy, max_epochs=2)
 
 
-@pytest.mark.parametrize("recipe, stages, chunks", [("sandwich", 2, 1), ("sandwich", 3, 2), ("fairnas", 2, 2),
-                                                     ("constrained", 3, 1)])
+@pytest.mark.parametrize("recipe, stages, chunks, space", [
+    ("sandwich", 2, 1, "choices"), ("sandwich", 3, 2, "choices"), ("fairnas", 2, 2, "choices"),
+    ("constrained", 3, 1, "choices"), ("sandwich", 2, 2, "elastic"), ("fairnas", 3, 1, "elastic")])
 def test_a_recipe_on_stages_equals_the_plain_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str,
-                                                     stages: int, chunks: int) -> None:
+                                                     stages: int, chunks: int, space: str) -> None:
+    """Candidate ops (ToyNet) and elastic widths with BatchNorm over elastic channels (its elastic twin)."""
+    monkeypatch.setenv("LNP_TEST_SPACE", space)
     plain = _plain(tmp_path, monkeypatch, recipe, chunks)
     ckpt = _launch(tmp_path, "--devices", str(stages), "--window", "4", "--chunks", str(chunks),
-                   LNP_TEST_RECIPE=recipe)
+                   LNP_TEST_RECIPE=recipe, LNP_TEST_SPACE=space)
     assert_same_state(plain, _state(ckpt))
 
 

@@ -30,6 +30,7 @@ from lightning_naspipe.integration.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
 from lightning_naspipe.pipeline.layout import Layout
+from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.transport.p2p import StageFailure
 
 TBroadcast = TypeVar("TBroadcast")
@@ -236,6 +237,22 @@ def saving_is_collective() -> Iterator[None]:
             "process did not join it: call it on every process (not only where trainer.is_global_zero is True); "
             "rank 0 writes the file. Lightning's checkpoint callbacks already do so."
         ) from error
+
+
+@contextlib.contextmanager
+def lost_process_named(failures: FailureBoard | None, what: str) -> Iterator[None]:
+    """Around the strategy's own collectives during training (choosing the layout, timing the split, rebalancing):
+    a process that failed or died there ends the run with a :class:`StageFailure` that names it (from the failure
+    board, where a failing process posts its error), not with gloo's or NCCL's connection error."""
+    try:
+        yield
+    except (StageFailure, NASPipeConfigError):
+        raise
+    except RuntimeError as error:  # torch.distributed's errors (DistBackendError is one)
+        causes = "".join(f"\n{cause}" for cause in failures.causes()) if failures is not None else ""
+        raise StageFailure(f"Pipeline stage processes failed or exited during {what}: another process stopped "
+                           f"answering ({str(error).splitlines()[0] if str(error) else type(error).__name__})."
+                           + (causes or " See the other processes' error output for the cause.")) from error
 
 
 def exit_with_parent() -> None:

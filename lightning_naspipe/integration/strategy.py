@@ -37,6 +37,7 @@ from lightning_naspipe.pipeline.microbatch import check_batch_sizes
 from lightning_naspipe.integration.mixin import NASPipeMixin
 from lightning_naspipe.pipeline.partition import block_weights
 from lightning_naspipe.integration.preemption import SigtermAgreement
+from lightning_naspipe.integration.processes import lost_process_named
 from lightning_naspipe.integration.progress import count_subnets
 from lightning_naspipe.pipeline.stage_table import chunks_hint, stage_table
 from lightning_naspipe.space.supernet import supernet_of
@@ -267,20 +268,22 @@ class NASPipeStrategy(PipelineBuilding):
         if self.engine is not None and self._ahead_for != self._batch_at:
             self.engine.drop_lookahead()  # the window it ran for did not come next (an epoch ended early)
         self._ahead_for = (-1, -1)
-        if self._choose_layout:
-            self._choose_layout = False
-            example = cast(Any, self.lightning_module).pipeline_input(batch[0])
-            stages, message = chosen_stages(supernet_of(self.lightning_module), example, self.world_size,
-                                            self.chunks, self.window, self.is_global_zero, self.broadcast,
-                                            self.root_device)
-            self._info(message)
-            self._switch_layout(stages)
-        if self._time_first_batch:
-            self._time_first_batch = False
-            self._balance_by_time(batch[0])
-        self._windows += 1
-        if self._rebalances_before(self._windows):
-            self._rebalance()
+        with lost_process_named(self.engine.failures if self.engine is not None else None,
+                                "the layout choice, the split's timing or a rebalancing check"):
+            if self._choose_layout:
+                self._choose_layout = False
+                example = cast(Any, self.lightning_module).pipeline_input(batch[0])
+                stages, message = chosen_stages(supernet_of(self.lightning_module), example, self.world_size,
+                                                self.chunks, self.window, self.is_global_zero, self.broadcast,
+                                                self.root_device)
+                self._info(message)
+                self._switch_layout(stages)
+            if self._time_first_batch:
+                self._time_first_batch = False
+                self._balance_by_time(batch[0])
+            self._windows += 1
+            if self._rebalances_before(self._windows):
+                self._rebalance()
 
     def upcoming_batches(self, first_index: int) -> list[Any] | None:
         """The next window's batches, on this stage's device, for the engine's lookahead: the window
