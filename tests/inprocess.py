@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_naspipe.transport import wire
 from lightning_naspipe.pipeline.engine import Engine, EngineModule
-from lightning_naspipe.pipeline.executor import Window
+from lightning_naspipe.pipeline.window import Window
 from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.actions import NORMS, Schedule
 

@@ -272,8 +272,8 @@ def test_which_runs_plan_a_norm_exchange() -> None:
 
 def test_the_async_baseline_sends_norm_messages_in_the_order_it_runs_its_updates() -> None:
     """``schedule="async"`` moves every update to the window's end: the links carry the norm messages there."""
-    from lightning_naspipe.pipeline.engine import plan_window
-    from lightning_naspipe.pipeline.executor import Window
+    from lightning_naspipe.pipeline.window import Window
+    from lightning_naspipe.pipeline.window_plan import plan_window
     from lightning_naspipe.pipeline.actions import UPDATE
     from lightning_naspipe.pipeline.schedule_rules import replay
 

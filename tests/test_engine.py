@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-import lightning_naspipe.pipeline.engine as engine_module
+import lightning_naspipe.pipeline.window_plan as window_plan_module
 from inprocess import train_pipelined
-from lightning_naspipe.pipeline.engine import Engine, plan_window
-from lightning_naspipe.pipeline.executor import Window
+from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.window import Window
+from lightning_naspipe.pipeline.window_plan import plan_window
 from lightning_naspipe.pipeline.sampling import keyed_rng, uniform_architecture
 
 SEED = 11
@@ -210,14 +211,14 @@ def test_lookahead_runs_the_next_windows_forwards_early_with_the_same_result(
     expected = [loss for start in range(0, 12, 3) for loss in engine.train_window(reference, data[start:start + 3],
                                                                                   start).losses]
     carried: list[int] = []
-    real_plan_step = engine_module.plan_step
+    real_plan_step = window_plan_module.plan_step
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         plan = real_plan_step(*args, **kwargs)
         carried.append(len(plan.carried))
         return plan
 
-    monkeypatch.setattr(engine_module, "plan_step", recording)
+    monkeypatch.setattr(window_plan_module, "plan_step", recording)
     module = FakeModule(_lookahead_supernet())
     losses = train_pipelined(module, ranges, data, 3, chunks, epoch_ends=epoch_ends)  # type: ignore[arg-type]
     assert sum(carried) > 0, "some forwards ran in the window before theirs"

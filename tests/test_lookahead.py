@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_naspipe.pipeline.actions import CostFn
-from lightning_naspipe.pipeline.engine import _exchange_cost
+from lightning_naspipe.pipeline.window_plan import _exchange_cost
 from lightning_naspipe.pipeline.lookahead import StepPlan, plan_step
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, Action, Schedule
 from lightning_naspipe.pipeline.schedule import build_schedule

@@ -16,7 +16,8 @@ from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRun
                                                     validate_run)
 from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.executor import Window, loss_context
+from lightning_naspipe.pipeline.executor import loss_context
+from lightning_naspipe.pipeline.window import Window
 from lightning_naspipe.pipeline.microbatch import Batch
 from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses
 from lightning_naspipe.namespaces import installed, namespace_of
