@@ -11,6 +11,7 @@ from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm
 from lightning_naspipe.space.elastic_blocks import ElasticAttention, ElasticDepth, ElasticMLP
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.export import load_subnet, save_subnet
+from lightning_naspipe.searching.latency import LatencyTable
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
 from lightning_naspipe.integration.mixin import NASPipeMixin
 from lightning_naspipe.searching.search_loop import SearchResult, search
@@ -25,8 +26,8 @@ from lightning_naspipe.transport.p2p import StageFailure
 
 __all__ = ["Architecture", "Cell", "ChoiceBlock", "Constrained", "Elastic", "ElasticAttention", "ElasticBatchNorm1d",
            "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth", "ElasticLinear", "ElasticMLP", "EvolutionSearch",
-           "FairNAS", "GridSearch", "InputChoice", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin",
-           "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult", "Searcher",
-           "StageFailure", "Supernet", "When", "Zero", "__version__", "load_subnet", "naspipe_cli",
+           "FairNAS", "GridSearch", "InputChoice", "LatencyTable", "NASPipeCallback", "NASPipeConfigError",
+           "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult",
+           "Searcher", "StageFailure", "Supernet", "When", "Zero", "__version__", "load_subnet", "naspipe_cli",
            "recalibrate_batchnorm", "save_subnet", "search"]
 __version__ = "0.2.0"

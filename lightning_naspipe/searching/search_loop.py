@@ -32,6 +32,7 @@ from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.transport.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
+from lightning_naspipe.searching.latency import LatencyTable
 from lightning_naspipe.searching.search_log import append_log, fingerprint, read_log
 from lightning_naspipe.searching.search_plot import pareto_front, plot_search
 from lightning_naspipe.searching.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
@@ -84,7 +85,8 @@ class SearchResult:
 
 def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[Any], *,
            calibration: Iterable[Any] | None = None, max_params: int | None = None, max_flops: int | None = None,
-           constraint: Constraint | None = None, log_path: str | os.PathLike[str] | None = None) -> SearchResult:
+           constraint: Constraint | None = None, log_path: str | os.PathLike[str] | None = None,
+           latency: LatencyTable | None = None, max_latency_ms: float | None = None) -> SearchResult:
     """Search the trained supernet of ``model``; call it on every process, like ``trainer.validate``.
 
     The score of an architecture is ``sum(value) / sum(weight)`` over ``dataloader``'s batches, with
@@ -107,6 +109,9 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
         constraint: ``constraint(architecture, params, flops) -> bool``: a further constraint.
         log_path: a JSON-lines file of the records; if it exists the search resumes from it, evaluating
             nothing twice (it must come from the same searcher, seed and checkpoint).
+        latency: a :class:`~lightning_naspipe.LatencyTable` of this supernet on the target device.
+        max_latency_ms: with ``latency``, only architectures whose predicted latency is at most this; a budget no
+            architecture can meet is refused before any evaluation.
 
     Returns:
         :class:`SearchResult` with ``.best`` and ``.history``.
@@ -117,12 +122,34 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
     """
     _check_launched(trainer)
     supernet = supernet_of(model)
+    constraint = _with_latency(supernet, constraint, latency, max_latency_ms)
     device = next(iter(supernet.parameters()), torch.empty(0)).device
     # Reading data loaders draws from the global RNG (their base seed): training after a search
     # must go on as if there had been none.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         return _search(trainer, model, supernet, device, searcher, dataloader, calibration, max_params, max_flops,
                        constraint, log_path)
+
+
+def _with_latency(supernet: Supernet, constraint: Constraint | None, latency: LatencyTable | None,
+                  max_latency_ms: float | None) -> Constraint | None:
+    """``constraint`` and the latency budget, as one constraint; an impossible budget is refused here."""
+    if max_latency_ms is None:
+        return constraint
+    if latency is None:
+        raise NASPipeConfigError("search(max_latency_ms=...) needs latency=lnp.LatencyTable.measure(...) (or .load) "
+                                 "to predict each architecture's latency.")
+    latency.check(supernet)
+    if latency.fastest_ms() > max_latency_ms:
+        raise NASPipeConfigError(
+            f"search(max_latency_ms={max_latency_ms}): no architecture can meet it: the fastest predicted is "
+            f"{latency.fastest_ms():.3f} ms on {latency.device} at batch size {latency.batch_size}. Raise the budget.")
+
+    def within(architecture: Architecture, params: int, flops: int) -> bool:
+        return latency.predict(architecture) <= max_latency_ms and (
+            constraint is None or bool(constraint(architecture, params, flops)))
+
+    return within
 
 
 def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, searcher: Searcher,
