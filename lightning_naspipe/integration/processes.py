@@ -30,7 +30,7 @@ from lightning_naspipe.integration.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
 from lightning_naspipe.pipeline.layout import Layout
-from lightning_naspipe.transport.failures import FailureBoard
+from lightning_naspipe.transport.failures import FailureBoard, explained
 from lightning_naspipe.transport.p2p import StageFailure
 
 TBroadcast = TypeVar("TBroadcast")
@@ -249,10 +249,9 @@ def lost_process_named(failures: FailureBoard | None, what: str) -> Iterator[Non
     except (StageFailure, NASPipeConfigError):
         raise
     except RuntimeError as error:  # torch.distributed's errors (DistBackendError is one)
-        causes = "".join(f"\n{cause}" for cause in failures.causes()) if failures is not None else ""
         raise StageFailure(f"Pipeline stage processes failed or exited during {what}: another process stopped "
                            f"answering ({str(error).splitlines()[0] if str(error) else type(error).__name__})."
-                           + (causes or " See the other processes' error output for the cause.")) from error
+                           + explained(failures, " See the other processes' error output for the cause.")) from error
 
 
 def exit_with_parent() -> None:

@@ -81,3 +81,10 @@ class FailureBoard:
             if time.monotonic() >= deadline:
                 return []
             time.sleep(0.05)
+
+
+def explained(failures: FailureBoard | None, otherwise: str = "") -> str:
+    """What other processes posted to ``failures``, each on a line of its own after the message it ends;
+    ``otherwise`` when none did (or there is no board)."""
+    causes = failures.causes() if failures is not None else []
+    return "".join(f"\n{cause}" for cause in causes) if causes else otherwise

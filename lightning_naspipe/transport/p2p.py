@@ -30,7 +30,7 @@ from lightning_naspipe.transport import wire as wire_format
 from lightning_naspipe.transport.boundary import Gradients, map_tensors
 from lightning_naspipe.transport.distributed import broadcast_object
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.transport.failures import FailureBoard, default_store
+from lightning_naspipe.transport.failures import FailureBoard, default_store, explained
 from lightning_naspipe.pipeline.actions import NORMS, Schedule
 from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
 from lightning_naspipe.space.supernet import BlockValue, describe
@@ -268,10 +268,6 @@ class P2PTransport:
     def _lost(self, stage: int | None, error: BaseException) -> StageFailure:
         if stage is None:
             return StageFailure(f"{self.names[self.ranks[self.stage]]} could not deliver a message to a neighbouring "
-                                f"stage: it failed or exited ({error}).{self._cause()}")
+                                f"stage: it failed or exited ({error}).{explained(self.failures)}")
         return StageFailure(f"Pipeline {self.names[self.ranks[stage]]} failed or exited: it stopped sending ({error})."
-                            + (self._cause() or " See that process's own error output for the cause."))
-
-    def _cause(self) -> str:
-        causes = self.failures.causes()
-        return "".join(f"\n{cause}" for cause in causes)
+                            + explained(self.failures, " See that process's own error output for the cause."))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_naspipe.transport.failures import FailureBoard
+from lightning_naspipe.transport.failures import FailureBoard, explained
 from lightning_naspipe.transport.p2p import TRANSPORTS, StageFailure
 from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
 from lightning_naspipe.transport.torch_links import TorchLinks
@@ -123,9 +123,9 @@ class ReplicaLinks:
         self._wait_s += seconds
 
     def _lost(self, replica: int | None, error: BaseException) -> StageFailure:
-        causes = "".join(f"\n{cause}" for cause in self._failures.causes()) if self._failures is not None else ""
         if replica is None:
             return StageFailure(f"{self.names[self.ranks[self._replica]]} could not deliver a message to another "
-                                f"replica of its stage: it failed or exited ({error}).{causes}")
+                                f"replica of its stage: it failed or exited ({error}).{explained(self._failures)}")
         return StageFailure(f"Pipeline {self.names[self.ranks[replica]]} failed or exited: it stopped sending "
-                            f"({error})." + (causes or " See that process's own error output for the cause."))
+                            f"({error})." + explained(self._failures, " See that process's own error output for the "
+                                                                      "cause."))
