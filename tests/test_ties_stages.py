@@ -1,7 +1,8 @@
 """A weight tied across stages in stage processes (gloo on CPU): the GPT-style space of test_ties.py trains on
 3 stage processes, moving a block that reads the tied weight between stages every window, stops mid-epoch with
 a checkpoint, and resumes on 2 stages; weights, Adam state, training and validation losses equal the plain
-one-device Trainer's bit for bit."""
+one-device Trainer's bit for bit; and 2 stages x 2 replicas, where the head's contribution to the tied gradient
+reaches the owner in every replica's share of the micro-batches."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+import lightning_naspipe as lnp
 from helpers import assert_same_state, pl, trainer_kwargs
 from test_pipeline import run_ranks, torchrun_env
 from tied_run import GPTNet, loader
@@ -49,3 +51,32 @@ def test_tied_embedding_on_three_stages_resumed_on_two_equals_the_plain_trainer(
     val = torch.load(f"{resumed}.val_losses", weights_only=False)
     assert val.keys() == model.val_losses.keys() and len(val) == 6  # 3 batches at each of 2 epochs' ends
     assert all(torch.equal(val[key], model.val_losses[key]) for key in val)
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, stages", [(2, 1), (2, 2)])
+def test_tied_embedding_with_replicas_or_stages_at_chunks_2_equals_the_plain_trainer(tmp_path: Path, devices: int,
+                                                                                     stages: int) -> None:
+    """One stage, two replicas: the tied weight gets two addends per micro-batch (the head's backward call, then
+    the embedding's), and a later replica adds them one by one onto the prefix, as one device does."""
+    torch.set_num_threads(1)
+    pl.seed_everything(7, verbose=False)
+    model = GPTNet()
+    trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=4, chunks=2), max_steps=12))
+    trainer.fit(model, loader(), loader(samples=24, shuffle=False))
+    plain_ckpt = tmp_path / "plain.ckpt"
+    trainer.save_checkpoint(plain_ckpt)
+    torch.save(model.losses, f"{plain_ckpt}.losses")
+
+    run = tmp_path / "run.ckpt"
+    run_ranks(tmp_path, SCRIPT, ["--out", str(run), "--devices", str(devices), "--num-stages", str(stages),
+                                 "--chunks", "2", "--max-steps", "12"], torchrun_env(devices))
+    assert_same_state(_state(plain_ckpt), _state(run))
+
+
+@pytest.mark.slow
+def test_a_tie_across_replicated_stages_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="not supported yet. Use num_stages=1"):
+        run_ranks(tmp_path, SCRIPT, ["--out", str(tmp_path / "bad.ckpt"), "--devices", "4", "--num-stages", "2",
+                                     "--chunks", "2", "--max-steps", "2"], torchrun_env(4))

@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--num-stages", type=int, default=None, help="fewer than --devices: replicas of each stage")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--move-tied-block", action="store_true",
@@ -74,7 +76,8 @@ def main() -> None:
         placement_module.rebalanced = alternate  # type: ignore[assignment]
     pl.seed_everything(7, verbose=False)
     model = GPTNet()
-    strategy = lnp.NASPipeStrategy(window=args.window, timeout=120, rebalance_every=1 if args.move_tied_block else 16)
+    strategy = lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, num_stages=args.num_stages, timeout=120,
+                                   rebalance_every=1 if args.move_tied_block else 16)
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=args.devices, max_steps=args.max_steps))
     if args.resume:
         model.losses.update(torch.load(args.resume + ".losses", weights_only=False))

@@ -325,6 +325,7 @@ class StageExecutor:
             received = self.transport.recv_gradient(index, c)
             if self.ties is not None:
                 received, passing = self.ties.take_grads(k, received)
+                self._collect()
             start = time.perf_counter()
             grads = self._capturing(k, block, contributions, lambda: self._block_backward(
                 outputs, received, inputs, architecture, block, deferred))
@@ -352,7 +353,10 @@ class StageExecutor:
         ``.grad`` is the block's contribution alone, taken into ``contributions`` (the copy keeps no gradient)."""
         tensors = self.ties.captured(k, block) if self.ties is not None else []
         if not tensors:
-            return backward()
+            try:
+                return backward()
+            finally:
+                self._collect()
         kept = [t.grad for t in tensors]  # None in a stage process; the owner's, when stages share a module
         for t in tensors:
             t.grad = None
@@ -362,6 +366,13 @@ class StageExecutor:
             contributions.extend(t.grad for t in tensors)
             for t, grad in zip(tensors, kept):
                 t.grad = grad
+            self._collect()
+
+    def _collect(self) -> None:
+        """After one accumulation onto ``.grad``: a later replica keeps it as an addend of its own (see
+        :meth:`.ReplicaUpdates.collect`)."""
+        if self.replicas is not None:
+            self.replicas.collect()
 
     def _block_backward(self, outputs: Any, grads: Sequence[Tensor | None], inputs: Any,
                         architecture: Architecture, block: int,

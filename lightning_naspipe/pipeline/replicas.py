@@ -9,7 +9,11 @@ change the bits. Here the replicas of a stage each train a contiguous share of t
 * replica 0 accumulates its micro-batches as one device does (its ``.grad`` *is* the prefix sum) and
   sends it to replica 1;
 * every later replica keeps each of its micro-batches' gradients apart, adds them one by one to the
-  prefix it receives, and sends the result on;
+  prefix it receives, and sends the result on. "One by one" is per accumulation, not per micro-batch: one
+  device adds each backward call's gradient onto ``.grad`` in turn (a stage runs one call per block, so a
+  weight two blocks read, like a tied embedding and head, gets two addends per micro-batch, plus one per
+  contribution a later stage sends for a tied weight), and ``(prefix + a) + b`` is not ``prefix + (a + b)``.
+  The engine calls :meth:`ReplicaUpdates.collect` after each such accumulation;
 * the last replica's sum is the one-device gradient, bit for bit; it goes back to every replica, so all
   of them step the same parameters with the same gradient.
 
@@ -110,8 +114,10 @@ class ReplicaUpdates:
         self.group = group
         #: Per subnet: the parameters its update steps on this stage (set by the engine for each window).
         self.params: dict[int, Sequence[Tensor]] = {}
-        # Per (subnet, chunk) of a later replica: each micro-batch's gradients, and its BatchNorm inputs.
-        self._grads: dict[tuple[int, int], list[Tensor | None]] = {}
+        # Per (subnet, chunk) of a later replica: per parameter, each accumulation's addend in order; and
+        # the micro-batch's BatchNorm inputs.
+        self._grads: dict[tuple[int, int], list[list[Tensor]]] = {}
+        self._collecting: tuple[int, int] | None = None
         self._inputs: dict[tuple[int, int], list[tuple[nn.Module, Tensor]]] = {}
         # Per subnet: the BatchNorm layers its forwards updated on this stage, in first-use order.
         self._touched: dict[int, dict[int, nn.Module]] = {}
@@ -153,14 +159,25 @@ class ReplicaUpdates:
         if self.group.replica == 0:
             yield
             return
-        params = self.params[index]
-        for p in params:
+        for p in self.params[index]:
             p.grad = None
+        self._grads[(index, chunk)] = [[] for _ in self.params[index]]
+        self._collecting = (index, chunk)
         try:
             yield
         finally:
-            self._grads[(index, chunk)] = [p.grad for p in params]
-            for p in params:
+            self.collect()
+            self._collecting = None
+
+    def collect(self) -> None:
+        """Inside a later replica's :meth:`backward`: take what the last accumulation left in ``.grad`` (one
+        backward call, or one contribution added by hand) as an addend of its own, and clear ``.grad``."""
+        if self._collecting is None:
+            return
+        index, _ = self._collecting
+        for parts, p in zip(self._grads[self._collecting], self.params[index]):
+            if p.grad is not None:
+                parts.append(p.grad)
                 p.grad = None
 
     def reduce(self, index: int, chunks: range, params: Sequence[Tensor]) -> None:
@@ -174,8 +191,8 @@ class ReplicaUpdates:
         else:
             grads, buffers = group.recv_previous()
             for chunk in chunks:
-                own = self._grads.pop((index, chunk), [None] * len(params))
-                grads = [ordered_sum((total, part)) for total, part in zip(grads, own)]
+                own = self._grads.pop((index, chunk), [[] for _ in params])
+                grads = [ordered_sum((total, *parts)) for total, parts in zip(grads, own)]
             _load_statistics(layers, buffers)
             for chunk in chunks:
                 for layer, batch in self._inputs.pop((index, chunk), []):

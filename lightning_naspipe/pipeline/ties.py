@@ -38,7 +38,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.placement import first_blocks, owner_of
 from lightning_naspipe.space.supernet import BlockValue, Resource, Supernet
 
-__all__ = ["Shared", "StageTies", "TieRoutes", "ties_of"]
+__all__ = ["Shared", "StageTies", "TieRoutes", "tied_across_blocks", "ties_of"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,11 @@ class TieRoutes:
 
 
 _CACHE: weakref.WeakKeyDictionary[Supernet, tuple[tuple[range, ...], StageTies | None]] = weakref.WeakKeyDictionary()
+
+
+def tied_across_blocks(supernet: Supernet) -> bool:
+    """Whether two blocks hold one parameter: a tie that some stage split cuts."""
+    return bool(StageTies(supernet, tuple(range(b, b + 1) for b in range(len(supernet.blocks)))).shared)
 
 
 def ties_of(supernet: Supernet, stage_blocks: Sequence[range]) -> StageTies | None:
