@@ -11,7 +11,8 @@ from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm
 from lightning_naspipe.space.elastic_blocks import ElasticAttention, ElasticDepth, ElasticMLP
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.export import load_subnet, save_subnet
-from lightning_naspipe.searching.latency import LatencyTable
+from lightning_naspipe.searching.constraints import Constraints, LatencyPenalty
+from lightning_naspipe.searching.latency import LatencyReport, LatencyTable, measure_latency
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
 from lightning_naspipe.integration.mixin import NASPipeMixin
 from lightning_naspipe.searching.search_loop import SearchResult, search
@@ -24,10 +25,11 @@ from lightning_naspipe.space.choice import ChoiceBlock
 from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.transport.p2p import StageFailure
 
-__all__ = ["Architecture", "Cell", "ChoiceBlock", "Constrained", "Elastic", "ElasticAttention", "ElasticBatchNorm1d",
-           "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth", "ElasticLinear", "ElasticMLP", "EvolutionSearch",
-           "FairNAS", "GridSearch", "InputChoice", "LatencyTable", "NASPipeCallback", "NASPipeConfigError",
-           "NASPipeMixin", "NASPipeStrategy", "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult",
-           "Searcher", "StageFailure", "Supernet", "When", "Zero", "__version__", "load_subnet", "naspipe_cli",
+__all__ = ["Architecture", "Cell", "ChoiceBlock", "Constrained", "Constraints", "Elastic", "ElasticAttention",
+           "ElasticBatchNorm1d", "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth", "ElasticLinear", "ElasticMLP",
+           "EvolutionSearch", "FairNAS", "GridSearch", "InputChoice", "LatencyPenalty", "LatencyReport",
+           "LatencyTable", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy",
+           "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult", "Searcher", "StageFailure",
+           "Supernet", "When", "Zero", "__version__", "load_subnet", "measure_latency", "naspipe_cli",
            "recalibrate_batchnorm", "save_subnet", "search"]
 __version__ = "0.2.0"

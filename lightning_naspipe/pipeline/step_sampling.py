@@ -10,13 +10,15 @@ evaluates it on its own, and resume relies on it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import SAMPLER_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet
 
-__all__ = ["Constrained", "FairNAS", "Sandwich", "covers_every_candidate", "parameter_counts", "subnet_parameters"]
+__all__ = ["ArchitectureRange", "Constrained", "FairNAS", "Sandwich", "covers_every_candidate", "parameter_counts",
+           "subnet_parameters"]
 
 _FAIR_DOMAIN = 0xFA12
 _CONSTRAINED_DOMAIN = 0xC0A5
@@ -96,28 +98,59 @@ class FairNAS:
         return "FairNAS()"
 
 
+class ArchitectureRange(Protocol):
+    """What :class:`Constrained` asks of a ``constraints`` object: :class:`lightning_naspipe.Constraints` (defined
+    with the search, which this layer does not import) is one."""
+
+    def check_training(self) -> None:
+        """Refuse what cannot steer training exactly (e.g. measured latency)."""
+        ...
+
+    def check(self, supernet: Supernet) -> None:
+        """Refuse a range ``supernet`` cannot meet, or one measured on another supernet."""
+        ...
+
+    def admits(self, supernet: Supernet, architecture: Architecture) -> bool:
+        """Whether ``architecture`` lies in the range."""
+        ...
+
+    def describe(self) -> str:
+        """The range in words."""
+        ...
+
+
 class Constrained:
-    """``num_subnets`` uniform architectures per step, each within a parameter range and accepted by
-    ``constraint``: deterministic rejection (draw ``attempt`` of subnet ``j`` of step ``s`` is a pure function of
-    ``(seed, s, j, attempt)``), at most ``max_attempts`` draws each.
+    """``num_subnets`` uniform architectures per step, each within a parameter range, admitted by ``constraints``
+    and accepted by ``constraint``: deterministic rejection (draw ``attempt`` of subnet ``j`` of step ``s`` is a
+    pure function of ``(seed, s, j, attempt)``), at most ``max_attempts`` draws each.
 
     Args:
         min_params: the fewest parameters a subnet may have (its frozen module's), or ``None``.
         max_params: the most, or ``None``.
-        constraint: any other test of an architecture (e.g. a latency budget), or ``None``.
+        constraint: any other test of an architecture, or ``None``; a
+            :class:`~lightning_naspipe.Constraints` here counts as ``constraints``.
         num_subnets: architectures per step.
         max_attempts: draws per architecture before the range counts as empty.
+        constraints: the same :class:`~lightning_naspipe.Constraints` a search takes: ranges of parameters,
+            FLOPs (on its ``example_input``) and predicted latency (its ``LatencyTable``), so the supernet trains
+            on the deployable range only. Measured latency is refused: it is not deterministic.
     """
 
     def __init__(self, min_params: int | None = None, max_params: int | None = None,
                  constraint: Callable[[Architecture], bool] | None = None, num_subnets: int = 1,
-                 max_attempts: int = 1000) -> None:
+                 max_attempts: int = 1000, constraints: ArchitectureRange | None = None) -> None:
         if min_params is not None and max_params is not None and min_params > max_params:
             raise NASPipeConfigError(f"Constrained(min_params={min_params}, max_params={max_params}): an empty range; "
                                      "give min_params <= max_params.")
+        if constraints is None and hasattr(constraint, "admits"):  # Constrained(constraint=lnp.Constraints(...))
+            constraints, constraint = constraint, None  # type: ignore[assignment]
+        if constraints is not None:
+            constraints.check_training()
         self.min_params, self.max_params, self.constraint = min_params, max_params, constraint
+        self.constraints = constraints
         self.num_subnets, self.max_attempts = num_subnets, max_attempts
         self._params: dict[tuple[int, tuple[tuple[str, int], ...]], int] = {}
+        self._checked: set[int] = set()
 
     def params(self, supernet: Supernet, architecture: Architecture) -> int:
         """The parameters of ``architecture``'s frozen subnet (cached per canonical architecture)."""
@@ -127,11 +160,17 @@ class Constrained:
         return self._params[key]
 
     def accepts(self, supernet: Supernet, architecture: Architecture) -> bool:
-        """Whether ``architecture`` is within the range and passes ``constraint``."""
+        """Whether ``architecture`` is within the range, admitted by ``constraints`` and passes ``constraint``."""
         if self.min_params is not None or self.max_params is not None:
             params = self.params(supernet, architecture)
             if (self.min_params is not None and params < self.min_params) or (
                     self.max_params is not None and params > self.max_params):
+                return False
+        if self.constraints is not None:
+            if id(supernet) not in self._checked:  # a range the table says is impossible: refused before drawing
+                self.constraints.check(supernet)
+                self._checked.add(id(supernet))
+            if not self.constraints.admits(supernet, architecture):
                 return False
         return self.constraint is None or bool(self.constraint(architecture))
 
@@ -144,15 +183,17 @@ class Constrained:
                     chosen.append(architecture)
                     break
             else:
+                within = "" if self.constraints is None else f" ({self.constraints.describe()})"
                 raise NASPipeConfigError(
                     f"{self!r}: no architecture of {self.max_attempts} uniform draws (step {step}) is within the "
-                    "range; widen min_params/max_params or relax the constraint."
+                    f"range{within}; widen min_params/max_params or the constraints' ranges, or relax the constraint."
                 )
         return chosen
 
     def __repr__(self) -> str:
         return (f"Constrained(min_params={self.min_params}, max_params={self.max_params}, "
-                f"constraint={self.constraint!r}, num_subnets={self.num_subnets})")
+                f"constraint={self.constraint!r}, num_subnets={self.num_subnets}"
+                + (f", constraints={self.constraints!r})" if self.constraints is not None else ")"))
 
 
 def _extreme(counts: list[int], pick: Callable[..., tuple[int, int]]) -> int:

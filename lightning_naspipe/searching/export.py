@@ -4,6 +4,8 @@ The folder holds ``architecture.json`` (the architecture and how the program was
 ``weights.pt`` (the module's ``state_dict``, e.g. to rebuild it with the user's own code) and
 ``program.pt2``, a ``torch.export`` program of the module in eval mode: ``torch.export.load(path)
 .module()`` runs it in a process that imports only torch, bitwise like the module it came from.
+With ``latency_repeats``, ``architecture.json`` also records the module's latency measured end to end on the
+example input, with the device and batch size it was measured at: a latency means nothing without them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.searching.latency import batch_size_of, device_name, time_module
 
 ARCHITECTURE_FILE = "architecture.json"
 WEIGHTS_FILE = "weights.pt"
@@ -30,7 +33,7 @@ __all__ = ["load_subnet", "save_subnet"]
 
 
 def save_subnet(module: nn.Module, folder: str | os.PathLike[str], example_input: Any,
-                architecture: Mapping[str, int] | None = None) -> Path:
+                architecture: Mapping[str, int] | None = None, latency_repeats: int | None = None) -> Path:
     """Write ``module`` (e.g. ``supernet.freeze(architecture)``) to ``folder``, replacing what is there.
 
     Args:
@@ -40,6 +43,9 @@ def save_subnet(module: nn.Module, folder: str | os.PathLike[str], example_input
         example_input: one input as the module takes it; the exported program accepts other batch
             sizes where the module allows (the first dimension of every tensor is exported as dynamic).
         architecture: stored in ``architecture.json`` (default: ``module.architecture`` if set).
+        latency_repeats: time ``module(example_input)`` this many times (eval mode, no gradients, after warm-up,
+            the median) and store ``{"latency": {"ms", "device", "batch_size", "repeats"}}`` in
+            ``architecture.json``; ``None``: no latency recorded.
 
     Returns:
         The folder.
@@ -50,13 +56,18 @@ def save_subnet(module: nn.Module, folder: str | os.PathLike[str], example_input
     module.eval()
     try:
         program, dynamic = _export(module, example_input)
+        latency = None if latency_repeats is None else {
+            "ms": time_module(module, example_input, latency_repeats), "device": device_name(module),
+            "batch_size": batch_size_of(example_input), "repeats": latency_repeats}
     finally:
         module.train(was_training)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
-        (staging / ARCHITECTURE_FILE).write_text(json.dumps(
-            {"architecture": architecture, "dynamic_batch": dynamic, "torch": torch.__version__}, indent=2))
+        described: dict[str, Any] = {"architecture": architecture, "dynamic_batch": dynamic, "torch": torch.__version__}
+        if latency is not None:
+            described["latency"] = latency
+        (staging / ARCHITECTURE_FILE).write_text(json.dumps(described, indent=2))
         torch.save(module.state_dict(), staging / WEIGHTS_FILE)
         torch.export.save(program, staging / PROGRAM_FILE)
         if target.exists():

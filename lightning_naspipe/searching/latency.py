@@ -1,11 +1,16 @@
 """Latency on the device at hand: a lookup table of each candidate's time measured in place (as once-for-all
 and nn-Meter build theirs), and the predicted latency of an architecture from it.
 
-Block ``b``'s candidate ``k`` is timed as the block runs in the subnet that takes ``k`` there and candidate 0
-everywhere else, on what block ``b`` receives in that subnet (eval mode, no gradients, after warm-up, the median
-of ``repeats``, the device synchronised). An architecture's predicted latency is the sum of its blocks' entries.
+Block ``b``'s candidate ``k`` is timed as the block runs in the frozen subnet that takes ``k`` there and candidate 0
+everywhere else (``supernet.freeze``: what is deployed, without the supernet's dispatch), on what block ``b``
+receives in that subnet (eval mode, no gradients, after warm-up, the median of ``repeats``, the device
+synchronised). An architecture's predicted latency is the sum of its blocks' entries.
 A block without a choice of its own (a fixed block, or choices nested deeper) has one entry, timed at the
 reference subnet.
+
+A prediction is only as good as the sum of in-place block times is to the whole subnet's time: :func:`measure_latency`
+times an architecture's frozen subnet end to end, and :meth:`LatencyTable.error` reports how far the table's
+predictions are from it on a sample of architectures (:class:`LatencyReport`), so users know how far to trust them.
 """
 
 from __future__ import annotations
@@ -15,18 +20,24 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from torch import nn
+
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.space.choice import ChoiceBlock
+from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.space.choice import Architecture, ChoiceBlock
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 
-__all__ = ["LatencyTable"]
+__all__ = ["LatencyReport", "LatencyTable", "batch_size_of", "device_name", "measure_latency", "time_module"]
+
+#: Warm-up runs before the timed ones, everywhere latency is measured.
+WARMUP = 2
 
 
 @dataclass(frozen=True)
@@ -66,11 +77,10 @@ class LatencyTable:
         with torch.no_grad():
             for b, label in enumerate(labels):
                 count = net.labels[label] if label is not None else 1
-                entries.append(tuple(_median_ms(net, b, x, {**reference, **({label: k} if label else {})}, repeats,
-                                                device) for k in range(count)))
+                entries.append(tuple(time_module(net.freeze({**reference, **({label: k} if label else {})})[b], x,
+                                                 repeats, device=device) for k in range(count)))
                 x = net.run_block(b, x, reference)
-        name = str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-        return cls(tuple(entries), labels, name, _batch_size(example_input))
+        return cls(tuple(entries), labels, device_name(net), batch_size_of(example_input))
 
     def predict(self, architecture: Mapping[str, int]) -> float:
         """The predicted latency of ``architecture`` in milliseconds: the sum of its blocks' entries."""
@@ -80,6 +90,37 @@ class LatencyTable:
     def fastest_ms(self) -> float:
         """The lowest latency any architecture can be predicted to have (each block's fastest entry)."""
         return sum(min(row) for row in self.entries)
+
+    def slowest_ms(self) -> float:
+        """The highest latency any architecture can be predicted to have (each block's slowest entry)."""
+        return sum(max(row) for row in self.entries)
+
+    def error(self, supernet: Supernet, example_input: BlockValue,
+              architectures: Sequence[Mapping[str, int]] | None = None, samples: int = 20, seed: int = 0,
+              repeats: int = 10) -> LatencyReport:
+        """The predictor's error: each architecture's prediction against its frozen subnet timed end to end.
+
+        Args:
+            supernet: the supernet the table was measured on, on the same device.
+            example_input: what the first block receives, of the table's batch size.
+            architectures: the architectures to compare (default: ``samples`` uniform ones drawn from ``seed``,
+                one per canonical form).
+            samples: how many to draw when ``architectures`` is not given.
+            seed: the draw's seed.
+            repeats: timed runs per architecture (:func:`measure_latency`).
+        """
+        self.check(supernet)
+        if architectures is None:
+            drawn = {}
+            for i in range(samples):
+                a = supernet.canonical(uniform_architecture(supernet.labels, seed, i))
+                drawn.setdefault(tuple(sorted(a.items())), a)
+            architectures = list(drawn.values())
+        if not architectures:
+            raise NASPipeConfigError("LatencyTable.error needs at least one architecture (samples >= 1).")
+        rows = tuple((dict(a), self.predict(a), measure_latency(supernet, a, example_input, repeats))
+                     for a in architectures)
+        return LatencyReport(rows, self.device, self.batch_size)
 
     def check(self, supernet: Supernet) -> None:
         """Refuse a table measured on another supernet (other blocks, labels or candidate counts)."""
@@ -108,17 +149,98 @@ class LatencyTable:
                    str(data["device"]), int(data["batch_size"]))
 
 
-def _median_ms(net: Supernet, block: int, x: Any, architecture: Mapping[str, int], repeats: int,
-               device: torch.device) -> float:
+@dataclass(frozen=True)
+class LatencyReport:
+    """How far a :class:`LatencyTable`'s predictions are from measured latency, on a sample of architectures.
+
+    Attributes:
+        rows: per architecture ``(architecture, predicted ms, measured ms)``.
+        device: where both were measured.
+        batch_size: the input's batch size.
+    """
+
+    rows: tuple[tuple[Architecture, float, float], ...]
+    device: str
+    batch_size: int
+
+    @property
+    def errors_pct(self) -> tuple[float, ...]:
+        """Per row, ``100 * (predicted - measured) / measured``: positive when the table over-predicts."""
+        return tuple(100.0 * (predicted - measured) / measured for _, predicted, measured in self.rows)
+
+    @property
+    def mean_abs_pct(self) -> float:
+        """The mean absolute error, in percent of the measured latency."""
+        return statistics.fmean(abs(e) for e in self.errors_pct)
+
+    @property
+    def worst_pct(self) -> float:
+        """The largest absolute error, in percent of the measured latency."""
+        return max(abs(e) for e in self.errors_pct)
+
+    @property
+    def bias_pct(self) -> float:
+        """The mean signed error in percent: a systematic over- (positive) or under-prediction."""
+        return statistics.fmean(self.errors_pct)
+
+    def __str__(self) -> str:
+        lines = [f"{'predicted ms':>12} {'measured ms':>12} {'error %':>8}  architecture"]
+        lines += [f"{p:>12.4f} {m:>12.4f} {e:>+8.1f}  {json.dumps(a)}"
+                  for (a, p, m), e in zip(self.rows, self.errors_pct)]
+        lines.append(f"{len(self.rows)} architectures on {self.device}, batch size {self.batch_size}: mean |error| "
+                     f"{self.mean_abs_pct:.1f}%, worst {self.worst_pct:.1f}%, bias {self.bias_pct:+.1f}%")
+        return "\n".join(lines)
+
+
+def measure_latency(supernet: Supernet, architecture: Mapping[str, int], example_input: BlockValue,
+                    repeats: int = 10, warmup: int = WARMUP) -> float:
+    """The latency of ``architecture`` in milliseconds: its frozen subnet timed end to end.
+
+    The subnet (``supernet.freeze(architecture)``) runs in eval mode without gradients on ``example_input``
+    (a fixed shape and batch size), ``warmup`` times untimed and then ``repeats`` times; the median is returned,
+    the device synchronised around each run. Measured latency is noisy: the same call twice gives close, not
+    equal, numbers.
+
+    Args:
+        supernet: the supernet (not modified), holding every block's weights.
+        architecture: the subnet to time.
+        example_input: what the first block receives for one batch, on the supernet's device.
+        repeats: timed runs (at least 1).
+        warmup: untimed runs first.
+    """
+    return time_module(supernet.freeze(architecture), example_input, repeats, warmup)
+
+
+def time_module(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = WARMUP,
+                device: torch.device | None = None) -> float:
+    """The median latency of ``module(example_input)`` in milliseconds (eval mode, no gradients, ``device``
+    synchronised: by default that of the module's parameters); the module's mode is restored."""
+    if repeats < 1 or warmup < 0:
+        raise NASPipeConfigError(f"Timing a module with repeats={repeats}, warmup={warmup}: give repeats >= 1 and "
+                                 "warmup >= 0.")
+    if device is None:
+        device = next(iter(module.parameters()), torch.empty(0)).device
+    was_training = module.training
+    module.eval()
     times = []
-    for run in range(repeats + 2):
-        _synchronize(device)
-        start = time.perf_counter()
-        net.run_block(block, x, architecture)
-        _synchronize(device)
-        if run >= 2:  # two warm-up runs
-            times.append(1000 * (time.perf_counter() - start))
+    try:
+        with torch.no_grad():
+            for run in range(warmup + repeats):
+                _synchronize(device)
+                start = time.perf_counter()
+                module(example_input)
+                _synchronize(device)
+                if run >= warmup:
+                    times.append(1000 * (time.perf_counter() - start))
+    finally:
+        module.train(was_training)
     return statistics.median(times)
+
+
+def device_name(module: nn.Module) -> str:
+    """Where ``module``'s parameters are, e.g. ``"cpu"`` or ``"cuda:0 (NVIDIA H100 ...)"``."""
+    device = next(iter(module.parameters()), torch.empty(0)).device
+    return str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -126,11 +248,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _batch_size(value: Any) -> int:
+def batch_size_of(value: Any) -> int:
+    """The first dimension of the first tensor in ``value`` (1 for a scalar or no tensor)."""
     if isinstance(value, torch.Tensor):
         return int(value.shape[0]) if value.dim() else 1
     if isinstance(value, (tuple, list)) and value:
-        return _batch_size(value[0])
+        return batch_size_of(value[0])
     if isinstance(value, dict) and value:
-        return _batch_size(next(iter(value.values())))
+        return batch_size_of(next(iter(value.values())))
     return 1

@@ -5,6 +5,11 @@ calibration batches or another searcher would silently give wrong results. The h
 :func:`fingerprint` of all of those; a log whose fingerprint differs is refused. Each record's write
 ends with its newline and an fsync, so a killed search leaves whole records and at most one cut
 line, which the resumed search cuts off.
+
+A search under measured latency also logs every measurement it takes, as it takes it (``{"measured_latency_ms": ms,
+"architecture": {...}}`` lines, architectures rejected by a latency range included): a measurement is noisy, so a
+resumed search reads them back (:func:`read_measurements`) rather than measuring again, and decides as the
+interrupted one did.
 """
 
 from __future__ import annotations
@@ -24,23 +29,29 @@ from lightning_naspipe.transport.boundary import tensors_in
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.searchers import Record
 
-__all__ = ["append_log", "fingerprint", "read_log"]
+__all__ = ["append_log", "append_measurement", "fingerprint", "read_log", "read_measurements"]
 
 #: The header line's key: what marks a file as a search log.
 HEADER = "lightning_naspipe_search_log"
+#: A measurement line's key.
+MEASUREMENT = "measured_latency_ms"
 
 
 def fingerprint(supernet: nn.Module, batches: Sequence[Any], calibration: Sequence[Any], searcher: object,
                 max_params: int | None, max_flops: int | None, constraint: Callable[..., Any] | None,
-                metric: bool) -> str:
+                metric: bool, extra: Any = None) -> str:
     """A hash of everything a search's scores depend on besides the architectures themselves.
 
     The supernet's parameters and buffers (names, dtypes, shapes and bytes), the evaluation and
     calibration batches, the searcher (its ``repr``: type and settings), the constraints (a
-    constraint function by its qualified name) and whether a ``search_metric`` scores.
+    constraint function by its qualified name), whether a ``search_metric`` scores, and ``extra`` (e.g.
+    :meth:`Constraints.settings <.constraints.Constraints.settings>`; ``None`` leaves the hash as it was before
+    there were such settings, so older logs still resume).
     """
     digest = hashlib.sha256()
     settings = [repr(searcher), max_params, max_flops, getattr(constraint, "__qualname__", repr(constraint)), metric]
+    if extra is not None:
+        settings.append(extra)
     digest.update(json.dumps(settings, default=str).encode())
     named = [(name, t) for name, t in supernet.state_dict(keep_vars=False).items()]
     named += [(f"batch{i}", t) for i, b in enumerate(batches) for t in tensors_in(b)]
@@ -84,6 +95,8 @@ def read_log(path: str | os.PathLike[str], expected: str | None = None, repair: 
                     "searcher settings or constraints than this search's: its scores do not apply. Pass "
                     "another log_path (one per checkpoint and search), or delete the log.")
             continue
+        if isinstance(fields, dict) and MEASUREMENT in fields:
+            continue  # read_measurements
         try:
             records.append(Record(**fields))
         except TypeError as error:
@@ -101,6 +114,32 @@ def append_log(path: str | os.PathLike[str], records: Sequence[Record], key: str
             out.write(json.dumps({HEADER: 1, "fingerprint": key}) + "\n")
         for record in records:
             out.write(json.dumps(asdict(record)) + "\n")  # repr-exact floats
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def read_measurements(path: str | os.PathLike[str]) -> list[tuple[dict[str, int], float]]:
+    """Every latency measurement a search logged, in order: ``(architecture, ms)`` (whole lines only; call
+    :func:`read_log` first, which checks the fingerprint)."""
+    file = Path(path)
+    if not file.exists():
+        return []
+    data = file.read_bytes()
+    found = []
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
+        fields = json.loads(line)
+        if isinstance(fields, dict) and MEASUREMENT in fields:
+            found.append((dict(fields["architecture"]), float(fields[MEASUREMENT])))
+    return found
+
+
+def append_measurement(path: str | os.PathLike[str], architecture: dict[str, int], ms: float,
+                       key: str | None = None) -> None:
+    """Append one latency measurement and make it durable before anything is decided on it."""
+    with open(path, "a") as out:
+        if key is not None and out.tell() == 0:
+            out.write(json.dumps({HEADER: 1, "fingerprint": key}) + "\n")
+        out.write(json.dumps({MEASUREMENT: ms, "architecture": architecture}) + "\n")
         out.flush()
         os.fsync(out.fileno())
 

@@ -10,10 +10,16 @@ One architecture is scored on a :meth:`Supernet.freeze <.supernet.Supernet.freez
 mode, after optional BatchNorm recalibration, so the trained supernet is never changed.
 Architectures with one :meth:`canonical form <.supernet.Supernet.canonical>` freeze to the same
 subnet, so one evaluation scores all of them, whatever a searcher proposes.
+
+Constraints (:class:`~.constraints.Constraints`) are hard filters applied before an architecture is evaluated
+(a latency range a table cannot meet is refused before anything is evaluated) and an optional soft latency penalty
+applied to each score. Under a table every process predicts the same latency; under measured latency the first
+process measures, the others take its number, and the log keeps every measurement for a resumed search.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -23,20 +29,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from lightning_naspipe.transport.boundary import map_tensors, tensors_in
-from lightning_naspipe.space.choice import Architecture
-from lightning_naspipe.transport.distributed import broadcast_object, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.space.freezing import recalibrate_batchnorm
+from lightning_naspipe.searching.constraints import Constraints
 from lightning_naspipe.searching.latency import LatencyTable
+from lightning_naspipe.searching.scoring import LatencySource, Scorer as _Scorer
 from lightning_naspipe.searching.search_log import append_log, fingerprint, read_log
-from lightning_naspipe.searching.search_plot import pareto_front, plot_search
-from lightning_naspipe.searching.searchers import Record, Searcher, SearchSpace, architecture_key, ranking_key
+from lightning_naspipe.searching.search_plot import default_x, pareto_front, plot_search
+from lightning_naspipe.searching.searchers import Record, Searcher, ranking_key
+from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet, supernet_of
+from lightning_naspipe.transport.boundary import map_tensors
+from lightning_naspipe.transport.distributed import broadcast_object, gather_objects
 
 __all__ = ["SearchResult", "search"]
 
@@ -58,7 +63,7 @@ class SearchResult:
 
     @property
     def best_record(self) -> Record:
-        """The best record; equal scores: the earlier evaluation."""
+        """The best record (by :attr:`Record.ranked_score`: penalized under a penalty); equal: the earlier one."""
         return min(self.history, key=lambda r: ranking_key(r, self.maximize))
 
     @property
@@ -66,27 +71,38 @@ class SearchResult:
         """The best architecture."""
         return dict(self.best_record.architecture)
 
-    def pareto_front(self) -> list[Record]:
-        """The records no other beats on both FLOPs and score, by increasing FLOPs."""
-        return pareto_front(self.history, self.maximize)
+    def pareto_front(self, x: str | None = None, y: str = "score") -> list[Record]:
+        """The records no other beats on both ``x`` and ``y`` (``x`` default: latency when every record has one,
+        else FLOPs; see :func:`~.search_plot.pareto_front`)."""
+        return pareto_front(self.history, self.maximize, default_x(self.history) if x is None else x, y)
 
-    def plot(self, path: str | os.PathLike[str], title: str | None = None) -> Path:
-        """Write a PNG of score against FLOPs with the Pareto front (needs matplotlib)."""
-        return plot_search(self.history, self.maximize, path, title)
+    def plot(self, path: str | os.PathLike[str], title: str | None = None, x: str | None = None,
+             y: str = "score") -> Path:
+        """Write a PNG of ``y`` against ``x`` with the Pareto front (needs matplotlib)."""
+        return plot_search(self.history, self.maximize, path, title, x, y)
 
     def table(self) -> str:
-        """Every record, best first: rank, index, score, params, FLOPs and the architecture."""
+        """Every record, best first: rank, index, score (and penalized score), params, FLOPs, latency and the
+        architecture."""
         rows = sorted(self.history, key=lambda r: ranking_key(r, self.maximize))
-        lines = [f"{'rank':>4} {'index':>5} {'score':>12} {'params':>10} {'MFLOPs':>10}  architecture"]
-        lines += [f"{n:>4} {r.index:>5} {r.score:>12.6g} {r.params:>10} {r.flops / 1e6:>10.3f}  "
-                  f"{json.dumps(r.architecture)}" for n, r in enumerate(rows, 1)]
+        latency = any(r.latency_ms is not None for r in self.history)
+        penalized = any(r.penalized_score is not None for r in self.history)
+        lines = [f"{'rank':>4} {'index':>5} {'score':>12}" + (f" {'penalized':>12}" if penalized else "")
+                 + f" {'params':>10} {'MFLOPs':>10}" + (f" {'ms':>10}" if latency else "") + "  architecture"]
+        for n, r in enumerate(rows, 1):
+            line = f"{n:>4} {r.index:>5} {r.score:>12.6g}"
+            line += f" {r.ranked_score:>12.6g}" if penalized else ""
+            line += f" {r.params:>10} {r.flops / 1e6:>10.3f}"
+            line += (f" {r.latency_ms:>10.4f}" if r.latency_ms is not None else f" {'-':>10}") if latency else ""
+            lines.append(f"{line}  {json.dumps(r.architecture)}")
         return "\n".join(lines)
 
 
 def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[Any], *,
            calibration: Iterable[Any] | None = None, max_params: int | None = None, max_flops: int | None = None,
            constraint: Constraint | None = None, log_path: str | os.PathLike[str] | None = None,
-           latency: LatencyTable | None = None, max_latency_ms: float | None = None) -> SearchResult:
+           latency: LatencyTable | str | None = None, max_latency_ms: float | None = None,
+           constraints: Constraints | None = None) -> SearchResult:
     """Search the trained supernet of ``model``; call it on every process, like ``trainer.validate``.
 
     The score of an architecture is ``sum(value) / sum(weight)`` over ``dataloader``'s batches, with
@@ -107,11 +123,15 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
         max_params: only architectures with at most this many parameters.
         max_flops: only architectures with at most this many FLOPs per sample (see :class:`Record`).
         constraint: ``constraint(architecture, params, flops) -> bool``: a further constraint.
-        log_path: a JSON-lines file of the records; if it exists the search resumes from it, evaluating
-            nothing twice (it must come from the same searcher, seed and checkpoint).
-        latency: a :class:`~lightning_naspipe.LatencyTable` of this supernet on the target device.
-        max_latency_ms: with ``latency``, only architectures whose predicted latency is at most this; a budget no
-            architecture can meet is refused before any evaluation.
+        log_path: a JSON-lines file of the records (and of every latency measurement); if it exists the search
+            resumes from it, evaluating and measuring nothing twice (it must come from the same searcher, seed,
+            checkpoint and constraints).
+        latency: a :class:`~lightning_naspipe.LatencyTable` of this supernet on the target device (or its path),
+            or ``"measured"``: each record gets its latency.
+        max_latency_ms: only architectures whose latency is at most this; with a table, a budget no architecture
+            can meet is refused before any evaluation.
+        constraints: :class:`~lightning_naspipe.Constraints`: ranges of parameters, FLOPs and latency and a soft
+            latency penalty; the keywords above are folded into it (each may be given once).
 
     Returns:
         :class:`SearchResult` with ``.best`` and ``.history``.
@@ -122,40 +142,35 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
     """
     _check_launched(trainer)
     supernet = supernet_of(model)
-    constraint = _with_latency(supernet, constraint, latency, max_latency_ms)
+    limits = _fold(constraints, max_params=max_params, max_flops=max_flops, latency=latency,
+                   max_latency_ms=max_latency_ms)
+    limits.check(supernet)  # an impossible latency range is refused before any evaluation
     device = next(iter(supernet.parameters()), torch.empty(0)).device
     # Reading data loaders draws from the global RNG (their base seed): training after a search
     # must go on as if there had been none.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return _search(trainer, model, supernet, device, searcher, dataloader, calibration, max_params, max_flops,
-                       constraint, log_path)
+        return _search(trainer, model, supernet, device, searcher, dataloader, calibration, limits, constraint,
+                       log_path)
 
 
-def _with_latency(supernet: Supernet, constraint: Constraint | None, latency: LatencyTable | None,
-                  max_latency_ms: float | None) -> Constraint | None:
-    """``constraint`` and the latency budget, as one constraint; an impossible budget is refused here."""
-    if max_latency_ms is None:
-        return constraint
-    if latency is None:
-        raise NASPipeConfigError("search(max_latency_ms=...) needs latency=lnp.LatencyTable.measure(...) (or .load) "
-                                 "to predict each architecture's latency.")
-    latency.check(supernet)
-    if latency.fastest_ms() > max_latency_ms:
-        raise NASPipeConfigError(
-            f"search(max_latency_ms={max_latency_ms}): no architecture can meet it: the fastest predicted is "
-            f"{latency.fastest_ms():.3f} ms on {latency.device} at batch size {latency.batch_size}. Raise the budget.")
-
-    def within(architecture: Architecture, params: int, flops: int) -> bool:
-        return latency.predict(architecture) <= max_latency_ms and (
-            constraint is None or bool(constraint(architecture, params, flops)))
-
-    return within
+def _fold(constraints: Constraints | None, **given: Any) -> Constraints:
+    """``constraints`` with the search's keywords set; a value given both ways, differently, is refused."""
+    base = constraints if constraints is not None else Constraints()
+    changes = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        held = getattr(base, name)
+        if held is not None and held != value:
+            raise NASPipeConfigError(f"search({name}=...) and constraints=Constraints({name}=...) are both given, "
+                                     "differently; give it once.")
+        changes[name] = value
+    return dataclasses.replace(base, **changes) if changes else base
 
 
 def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, searcher: Searcher,
-            dataloader: Iterable[Any], calibration: Iterable[Any] | None, max_params: int | None,
-            max_flops: int | None, constraint: Constraint | None,
-            log_path: str | os.PathLike[str] | None) -> SearchResult:
+            dataloader: Iterable[Any], calibration: Iterable[Any] | None, limits: Constraints,
+            constraint: Constraint | None, log_path: str | os.PathLike[str] | None) -> SearchResult:
     world, rank = _world()
     batches = _shared(dataloader, rank, world, device)
     if not batches:
@@ -164,24 +179,38 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
     metric = getattr(model, "search_metric", None)
     maximize = bool(getattr(model, "search_higher_is_better", True)) if metric is not None else False
     score = _Scorer(model, supernet, batches, calibration_batches, metric)
-    # What the scores depend on besides the architecture: a log written for anything else is refused.
-    key = None if log_path is None else fingerprint(supernet, batches, calibration_batches, searcher, max_params,
-                                                     max_flops, constraint, metric is not None)
+    # What the scores depend on besides the architecture: a log written for anything else is refused. Settings
+    # beyond max_params/max_flops join the hash only when given, so logs of searches without them still resume.
+    extra = limits.settings() if (limits.latency is not None or limits.min_params is not None
+                                  or limits.min_flops is not None) else None
+    key = None if log_path is None else fingerprint(supernet, batches, calibration_batches, searcher,
+                                                     limits.max_params, limits.max_flops, constraint,
+                                                     metric is not None, extra)
     logged = read_log(log_path, key, repair=rank == 0) if log_path is not None else []
+    latency_of = LatencySource(limits, supernet, score.space, model.pipeline_input(batches[0]), log_path, key, world,
+                               rank, device)
+    latency_of.reuse(logged)
     history: list[Record] = []
     # Each canonical architecture's (score, params, FLOPs), evaluated once.
     scores: dict[tuple[tuple[str, int], ...], tuple[float, int, int]] = {}
-    constrained = max_params is not None or max_flops is not None or constraint is not None
+    sized = limits.bounds_size or constraint is not None
+    constrained = sized or limits.bounds_latency
     progress = _progress(trainer, rank)
     try:
         def feasible(architecture: Architecture) -> bool:
             if not constrained:  # measured where evaluated, not on every process
                 return True
-            params, flops = score.measure(architecture)
-            return ((max_params is None or params <= max_params) and (max_flops is None or flops <= max_flops)
-                    and (constraint is None or bool(constraint(architecture, params, flops))))
+            predicted = limits.table is not None  # cheap: first; a measurement is not: last
+            if predicted and not limits.within(latency_ms=latency_of(architecture)):
+                return False
+            if sized:
+                params, flops = score.measure(architecture)
+                if not limits.within(params=params, flops=flops) or (
+                        constraint is not None and not bool(constraint(architecture, params, flops))):
+                    return False
+            return predicted or not limits.bounds_latency or limits.within(latency_ms=latency_of(architecture))
 
-        while proposals := searcher.propose(score.space, history, feasible, maximize):
+        while proposals := _propose(searcher, score, history, feasible, maximize, limits, constraint):
             first = len(history)
             for i, architecture in enumerate(proposals[:max(0, len(logged) - first)], first):
                 if logged[i].architecture != supernet.validate(architecture):
@@ -195,7 +224,9 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
             mine = {score.key(a): score(a) for a in todo[rank::world]}
             for part in gather_objects(mine, world):
                 scores.update(part)
-            new = [Record(i, supernet.validate(a), *scores[score.key(a)]) for i, a in enumerate(proposals, first)]
+            new = [logged[i] if i < len(logged) else _record(i, supernet.validate(a), scores[score.key(a)], limits,
+                                                              latency_of, maximize)
+                   for i, a in enumerate(proposals, first)]
             history += new
             if rank == 0:
                 fresh = [r for r in new if r.index >= len(logged)]
@@ -206,74 +237,38 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
     finally:
         progress.close()
     if not history:
+        if constrained:
+            raise NASPipeConfigError(f"{type(searcher).__name__} found no architecture within the constraints "
+                                     f"({_describe(limits, constraint)}); widen the ranges.")
         raise NASPipeConfigError(f"{type(searcher).__name__} proposed no architecture; give it samples or cycles.")
     return SearchResult(history, maximize)
 
 
-class _Scorer:
-    """Scores one architecture, and measures (and caches) its parameters and FLOPs."""
-
-    def __init__(self, model: Any, supernet: Supernet, batches: list[Any], calibration: list[Any],
-                 metric: Callable[[Any, Any], tuple[Any, Any]] | None) -> None:
-        self.model, self.supernet, self.batches, self.calibration, self.metric = (
-            model, supernet, batches, calibration, metric)
-        self._measured: dict[tuple[tuple[str, int], ...], tuple[int, int]] = {}
-        #: What searchers see: the labels, and which architectures run one subnet.
-        self.space = SearchSpace(supernet.labels, supernet.canonical)
-        first = tensors_in(model.pipeline_input(batches[0]))
-        self.samples = first[0].shape[0] if first and first[0].dim() else 1  # FLOPs are reported per sample
-
-    def key(self, architecture: Architecture) -> tuple[tuple[str, int], ...]:
-        """Equal for architectures that run the same subnet (one canonical form), which score the same."""
-        return architecture_key(self.space.canonical(architecture))
-
-    def frozen(self, architecture: Architecture) -> nn.Module:
-        net = self.supernet.freeze(architecture)
-        if self.calibration:
-            recalibrate_batchnorm(net, self.calibration, forward=lambda batch: net(self.model.pipeline_input(batch)))
-        return net.eval()
-
-    def measure(self, architecture: Architecture) -> tuple[int, int]:
-        """Parameters, and FLOPs per sample of the first batch's forward (a constraint's inputs)."""
-        key = self.key(architecture)
-        if key not in self._measured:
-            net = self.supernet.freeze(architecture).eval()
-            with torch.no_grad(), FlopCounterMode(display=False) as counter:
-                net(self.model.pipeline_input(self.batches[0]))
-            self._measured[key] = (sum(p.numel() for p in net.parameters()),
-                                   int(counter.get_total_flops()) // self.samples)
-        return self._measured[key]
-
-    def __call__(self, architecture: Architecture) -> tuple[float, int, int]:
-        """The score, the parameters and the FLOPs of ``architecture``."""
-        net = self.frozen(architecture)
-        total, weight = 0.0, 0.0
-        counter = FlopCounterMode(display=False)
-        with torch.no_grad():
-            for n, batch in enumerate(self.batches):
-                if n == 0:  # FLOPs counted on the first batch's forward (the mode only counts, results unchanged)
-                    with counter:
-                        output = net(self.model.pipeline_input(batch))
-                else:
-                    output = net(self.model.pipeline_input(batch))
-                value, count = (self.metric(output, batch) if self.metric is not None
-                                else (self.model.compute_loss(output, batch), 1))
-                total += _number(value, "value")
-                weight += _number(count, "weight")
-        if weight == 0:
-            raise NASPipeConfigError("search_metric returned a total weight of 0; return (value, count) with "
-                                     "count > 0.")
-        params = sum(p.numel() for p in net.parameters())
-        return total / weight, params, int(counter.get_total_flops()) // self.samples
+def _propose(searcher: Searcher, score: _Scorer, history: list[Record], feasible: Callable[[Architecture], bool],
+             maximize: bool, limits: Constraints, constraint: Constraint | None) -> list[Architecture]:
+    """The searcher's next proposals; a searcher stopped by the constraints names them."""
+    try:
+        return searcher.propose(score.space, history, feasible, maximize)
+    except NASPipeConfigError as error:
+        if "constraints" not in str(error):
+            raise
+        raise NASPipeConfigError(f"{error} The search's constraints: {_describe(limits, constraint)}.") from error
 
 
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise NASPipeConfigError(f"search_metric/compute_loss must give a scalar {what}, got shape "
-                                     f"{tuple(value.shape)}.")
-        return float(value.item())  # float32 -> float64 is exact; sums run in a fixed order
-    return float(value)
+def _describe(limits: Constraints, constraint: Constraint | None) -> str:
+    text = limits.describe()
+    if constraint is not None:
+        text += f"; constraint={getattr(constraint, '__qualname__', repr(constraint))}"
+    return text
+
+
+def _record(index: int, architecture: Architecture, measured: tuple[float, int, int], limits: Constraints,
+            latency_of: LatencySource, maximize: bool) -> Record:
+    """A new record: the score, sizes, latency (when known) and the penalized score (under a penalty)."""
+    value, params, flops = measured
+    ms = latency_of(architecture) if limits.latency is not None else None
+    penalized = limits.penalty.apply(value, ms, maximize) if limits.penalty is not None and ms is not None else None
+    return Record(index, architecture, value, params, flops, ms, limits.latency_kind, penalized)
 
 
 def _check_launched(trainer: Any) -> None:
@@ -310,9 +305,13 @@ def _shared(batches: Iterable[Any], rank: int, world: int, device: torch.device)
 
 def _log(trainer: Any, history: list[Record], fresh: list[Record], maximize: bool) -> None:
     for record in fresh:
-        best = min(history[:record.index + 1], key=lambda r: ranking_key(r, maximize)).score
+        best = min(history[:record.index + 1], key=lambda r: ranking_key(r, maximize)).ranked_score
         metrics = {"search/score": record.score, "search/best_score": best, "search/params": float(record.params),
                    "search/flops": float(record.flops)}
+        if record.latency_ms is not None:
+            metrics["search/latency_ms"] = record.latency_ms
+        if record.penalized_score is not None:
+            metrics["search/penalized_score"] = record.penalized_score
         for logger in getattr(trainer, "loggers", []):
             logger.log_metrics(metrics, step=record.index)
     for logger in getattr(trainer, "loggers", []):

@@ -45,6 +45,11 @@ class Record:
         params: parameters of the frozen subnet.
         flops: floating-point operations per sample of the frozen subnet's forward: those of the
             search's first batch (torch's FLOP counter) divided by its size.
+        latency_ms: its latency in milliseconds when the search knows one (``None`` otherwise).
+        latency_kind: ``"predicted"`` (by a :class:`~lightning_naspipe.LatencyTable`) or ``"measured"`` (its
+            frozen subnet timed end to end), or ``None``.
+        penalized_score: under a :class:`~lightning_naspipe.LatencyPenalty`, the score after the penalty, which
+            rankings, the best and the Pareto front use; ``None`` without one.
     """
 
     index: int
@@ -52,6 +57,14 @@ class Record:
     score: float
     params: int
     flops: int
+    latency_ms: float | None = None
+    latency_kind: str | None = None
+    penalized_score: float | None = None
+
+    @property
+    def ranked_score(self) -> float:
+        """What the record is ranked by: the penalized score under a penalty, else the score."""
+        return self.score if self.penalized_score is None else self.penalized_score
 
 
 class SearchSpace(dict[str, int]):
@@ -105,8 +118,8 @@ class Searcher(Protocol):
 
 
 def ranking_key(record: Record, maximize: bool) -> tuple[float, int]:
-    """Sorts best first; equal scores: the earlier evaluation first."""
-    return (-record.score if maximize else record.score, record.index)
+    """Sorts best first by :attr:`Record.ranked_score`; equal scores: the earlier evaluation first."""
+    return (-record.ranked_score if maximize else record.ranked_score, record.index)
 
 
 def _draw(labels: Mapping[str, int], rng: random.Random) -> Architecture:
