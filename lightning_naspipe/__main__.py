@@ -4,15 +4,24 @@ Commands:
     plan: predict throughput, bubbles, stall causes and in-flight depth for several stage counts, or
         for every stages x replicas layout of ``--processes N`` (naming the best), from a space spec
         (``SpaceSpec.to_json``) or a synthetic wide space (``--wide C``).
+    latency: measure a :class:`~lightning_naspipe.LatencyTable` of a model's supernet on this machine, save it, and
+        report its predictions' error against end-to-end measured latency on a sample of architectures.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
 
+import torch
+
+from lightning_naspipe.searching.latency import LatencyTable
+from lightning_naspipe.space.supernet import supernet_of
+
+from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning import SpaceSpec, plan, table, wide_spec
 from lightning_naspipe.planning.planner import best_layout, plan_layouts, simulate
 from lightning_naspipe.pipeline.schedule import SCHEDULES
@@ -60,6 +69,26 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _latency(args: argparse.Namespace) -> int:
+    module_name, _, class_name = args.model.partition(":")
+    if not module_name or not class_name:
+        print(f"latency: --model takes package.module:Class, got {args.model!r}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model_class = getattr(importlib.import_module(module_name), class_name)
+    torch.manual_seed(args.seed)  # the timing does not depend on the weights' values, but make them the same
+    supernet = supernet_of(model_class(**json.loads(args.init_args))).to(args.device)
+    example = torch.randn(*(int(n) for n in args.input_shape.split(",")), device=args.device)
+    table = LatencyTable.measure(supernet, example, args.repeats)
+    print(f"latency table of {len(table.entries)} blocks on {table.device}, batch size {table.batch_size}, "
+          f"{torch.get_num_threads()} thread(s): predictions from {table.fastest_ms():.4f} to "
+          f"{table.slowest_ms():.4f} ms; saved to {table.save(args.output)}")
+    if args.error_samples > 0:
+        print(table.error(supernet, example, samples=args.error_samples, seed=args.seed, repeats=args.repeats))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m lightning_naspipe", description="NASPipe tools.")
@@ -88,10 +117,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "on the spec's input- and weight-pass times")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.set_defaults(run=_plan)
+    q = commands.add_parser("latency", help="measure a latency lookup table on this machine and its error",
+                            description="Time every candidate of a model's supernet in place, save the "
+                                        "LatencyTable, and compare its predictions with end-to-end latency.")
+    q.add_argument("--model", required=True, help="package.module:Class of a module with a .supernet (or a Supernet)")
+    q.add_argument("--init-args", default="{}", help="the class's keyword arguments as JSON (default {})")
+    q.add_argument("--input-shape", required=True, help="the example input's shape, e.g. 32,3,16,16 (batch first)")
+    q.add_argument("--repeats", type=int, default=10, help="timed runs per measurement, median kept (default 10)")
+    q.add_argument("--output", default="latency.json", help="where to save the table (default latency.json)")
+    q.add_argument("--error-samples", type=int, default=20,
+                   help="architectures to compare predictions with measured latency on (0: none; default 20)")
+    q.add_argument("--seed", type=int, default=0, help="the weights' and the sample's seed (default 0)")
+    q.add_argument("--device", default="cpu", help="where to measure, e.g. cpu or cuda:0 (default cpu)")
+    q.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before measuring")
+    q.set_defaults(run=_latency)
     args = parser.parse_args(argv)
     try:
         status: int = args.run(args)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, ImportError, AttributeError, NASPipeConfigError) as error:
         print(f"{args.command}: {error}", file=sys.stderr)
         return 2
     return status

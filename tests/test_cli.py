@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 
 import lightning_naspipe as lnp
-from helpers import EXAMPLES, QUIET, TOY_NETS, load_example, toy_loader
+from helpers import EXAMPLES, FEATURES, QUIET, TOY_NETS, load_example, toy_loader
 from lightning_naspipe.integration.cli import _cli_class, _with_search
 from lightning_naspipe.namespaces import installed
 from lightning_naspipe.searching.search_loop import read_log
@@ -170,6 +170,45 @@ def test_the_printed_search_config_reloads_with_every_searcher(toy_fit: Path, se
     assert cli.config_init["search"]["searcher"] == searcher
     assert len(read_log(tmp_path / "log.jsonl")) == {"RandomSearch": 3, "EvolutionSearch": 5, "SPOSSearch": 4,
                                                       "GridSearch": 9}[type(searcher).__name__]
+
+
+@pytest.mark.usefixtures("clean_argv")
+def test_search_takes_latency_constraints_and_a_penalty_from_the_same_config_file(toy_fit: Path,
+                                                                                 tmp_path: Path) -> None:
+    supernet = TOY_NETS[L]().supernet
+    measured = lnp.LatencyTable.measure(supernet, torch.randn(8, FEATURES), repeats=1)
+    # Known entries (what matters is the file): 1 ms per fixed block, candidate k of every choice costs k + 1 ms.
+    table = lnp.LatencyTable(tuple(tuple(float(k + 1) for k in range(len(row))) if label else (1.0,)
+                                   for row, label in zip(measured.entries, measured.labels)),
+                             measured.labels, "cpu", 8)
+    table.save(tmp_path / "latency.json")
+    budget = table.fastest_ms() + 1.5
+    (tmp_path / "search.yaml").write_text(f"""
+ckpt_path: "{toy_fit / 'supernet.ckpt'}"
+searcher: {{class_path: lightning_naspipe.GridSearch}}
+log_path: "{tmp_path / 'log.jsonl'}"
+export_path: "{tmp_path / 'best'}"
+constraints:
+  latency: "{tmp_path / 'latency.json'}"
+  max_latency_ms: {budget}
+  penalty: {{target_ms: {table.fastest_ms()}, alpha: -0.07, beta: -0.5}}
+""")
+    cli = _toy_cli(["search", "--config", str(toy_fit / "fit.yaml"), "--config", str(tmp_path / "search.yaml")])
+    constraints = cli.config_init["search"]["constraints"]
+    assert isinstance(constraints, lnp.Constraints) and constraints.table == table
+    records = read_log(tmp_path / "log.jsonl")
+    every = [dict(zip(supernet.labels, v)) for v in __import__("itertools").product(
+        *(range(n) for n in supernet.labels.values()))]
+    expected = [supernet.canonical(a) for a in every if supernet.canonical(a) == a and table.predict(a) <= budget]
+    assert [r.architecture for r in records] == expected and len(expected) < len(every)
+    penalty = lnp.LatencyPenalty(table.fastest_ms(), -0.07, -0.5)
+    for r in records:
+        assert r.latency_kind == "predicted" and r.latency_ms == table.predict(r.architecture) <= budget
+        assert r.penalized_score == r.score / penalty.factor(r.latency_ms)  # a loss: divided by the factor
+    best = min(records, key=lambda r: (r.penalized_score, r.index))
+    saved = json.loads((tmp_path / "best" / "architecture.json").read_text())
+    assert saved["architecture"] == best.architecture
+    assert saved["latency"]["ms"] > 0 and saved["latency"]["device"] == "cpu" and saved["latency"]["batch_size"] > 0
 
 
 @pytest.mark.usefixtures("clean_argv")

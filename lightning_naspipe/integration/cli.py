@@ -4,6 +4,8 @@
 
     python train.py fit    --config run.yaml
     python train.py search --config run.yaml --ckpt_path runs/supernet.ckpt --max_flops 2000000
+    python train.py search --config run.yaml --ckpt_path runs/supernet.ckpt --latency_table latency.json \
+        --max_latency_ms 3.0
 
 ``search`` is a method of a Trainer subclass made here (LightningCLI builds a subcommand's
 arguments from the Trainer method of that name). It loads the checkpoint on every process with a
@@ -25,7 +27,9 @@ from functools import cache
 from typing import Any, Optional, Union
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.searching.constraints import Constraints
 from lightning_naspipe.searching.export import save_subnet
+from lightning_naspipe.searching.latency import LatencyTable
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
 from lightning_naspipe.namespaces import Namespace, installed, namespace_of
 from lightning_naspipe.searching.search_loop import SearchResult, search
@@ -118,7 +122,8 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
             searcher: AnySearcher = RandomSearch(64), calibration_batches: int = 0,
             max_params: Optional[int] = None, max_flops: Optional[int] = None, log_path: Optional[str] = None,
             plot_path: Optional[str] = None, export_path: Optional[str] = None,
-            weights_only: Optional[bool] = None) -> SearchResult:
+            weights_only: Optional[bool] = None, constraints: Optional[Constraints] = None,
+            latency_table: Optional[str] = None, max_latency_ms: Optional[float] = None) -> SearchResult:
     """Search the trained supernet of a checkpoint for the best subnet.
 
     Scores come from the validation dataloader (see ``lightning_naspipe.search``).
@@ -138,6 +143,11 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
         export_path: save the best subnet here (``lightning_naspipe.save_subnet``).
         weights_only: how the checkpoint is loaded, as for ``Trainer.validate`` (``fit`` saves it in
             its config, so the config fit saved is a valid search config).
+        constraints: ``lightning_naspipe.Constraints`` as ``init_args``: ranges of parameters, FLOPs and
+            latency, ``latency`` (a saved table's path, or ``measured``) and a ``penalty``
+            (``{"target_ms": ...}``).
+        latency_table: a ``LatencyTable`` JSON file (``python -m lightning_naspipe latency`` writes one).
+        max_latency_ms: only subnets whose latency is at most this (needs a table or measured latency).
     """
     if ckpt_path is None:
         raise NASPipeConfigError("search needs --ckpt_path: the checkpoint of the trained supernet (fit writes it).")
@@ -154,14 +164,18 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
             datamodule.setup("fit")
         # Read once: the exported subnet gets the statistics its score was computed with.
         calibration = list(itertools.islice(loaders.train_dataloader(), calibration_batches))
+    table = LatencyTable.load(latency_table) if latency_table is not None else None
     result = search(self, model, searcher, loaders.val_dataloader(), calibration=calibration,
-                    max_params=max_params, max_flops=max_flops, log_path=log_path)
+                    max_params=max_params, max_flops=max_flops, log_path=log_path, latency=table,
+                    max_latency_ms=max_latency_ms, constraints=constraints)
     if self.is_global_zero:
         _report(result, searcher)
         if plot_path is not None:
-            print(f"score against FLOPs: {result.plot(plot_path)}")
+            axis = "latency" if result.history[0].latency_ms is not None else "FLOPs"
+            print(f"score against {axis}: {result.plot(plot_path)}")
         if export_path is not None:
-            print(f"best subnet saved to {_export(model, result, loaders, calibration, export_path)}")
+            repeats = constraints.repeats if constraints is not None else 10
+            print(f"best subnet saved to {_export(model, result, loaders, calibration, export_path, repeats)}")
     return result
 
 
@@ -169,14 +183,18 @@ def _report(result: SearchResult, searcher: Any) -> None:
     best = result.best_record
     initial = result.history[:getattr(searcher, "population", len(result.history))]
     print("\n".join(result.table().splitlines()[:11]))
-    print(f"best of {len(result.history)}: score {best.score:.6g}, {best.params} params, "
-          f"{best.flops / 1e6:.3f} MFLOPs, architecture {best.architecture}; median of the first {len(initial)} "
-          f"(random) candidates: {statistics.median(r.score for r in initial):.6g}")
+    latency = "" if best.latency_ms is None else f", {best.latency_ms:.4f} ms ({best.latency_kind})"
+    penalized = "" if best.penalized_score is None else f" (penalized {best.penalized_score:.6g})"
+    print(f"best of {len(result.history)}: score {best.score:.6g}{penalized}, {best.params} params, "
+          f"{best.flops / 1e6:.3f} MFLOPs{latency}, architecture {best.architecture}; median of the first "
+          f"{len(initial)} (random) candidates: {statistics.median(r.score for r in initial):.6g}")
 
 
-def _export(model: Any, result: SearchResult, loaders: Any, calibration: list[Any] | None, folder: str) -> Any:
+def _export(model: Any, result: SearchResult, loaders: Any, calibration: list[Any] | None, folder: str,
+            repeats: int) -> Any:
     net = supernet_of(model).freeze(result.best)
     if calibration:
         recalibrate_batchnorm(net, calibration, forward=lambda batch: net(model.pipeline_input(batch)))
     example = model.pipeline_input(next(iter(loaders.val_dataloader())))
-    return save_subnet(net.eval(), folder, example, result.best)
+    # The folder records the subnet's latency measured end to end, with the device and batch size.
+    return save_subnet(net.eval(), folder, example, result.best, latency_repeats=repeats)
