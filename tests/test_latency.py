@@ -1,8 +1,10 @@
-"""The latency lookup table: measured in place, predictions are sums of entries, saved and loaded, and a latency
-budget in lnp.search (an impossible one refused before any evaluation)."""
+"""The latency lookup table: measured in place, predictions are sums of entries, saved and loaded, its error
+against end-to-end latency, the command that builds it; a latency budget in lnp.search (an impossible one refused
+before any evaluation); measured latency logged and reused on resume; latency in the exported folder."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.searching import latency as latency_module
 
 
 def _supernet() -> lnp.Supernet:
@@ -61,3 +64,92 @@ def test_a_latency_budget_filters_the_search_and_an_impossible_one_is_refused_be
     other = lnp.LatencyTable(((1.0,), (0.5, 2.0)), (None, "a"), "cpu", 8)
     with pytest.raises(lnp.NASPipeConfigError, match="measured on another supernet"):
         lnp.search(None, model, lnp.GridSearch(), data, latency=other, max_latency_ms=9.0)
+
+
+def test_measured_latency_times_the_frozen_subnet_and_the_error_report_compares_it_with_predictions() -> None:
+    supernet = _supernet()
+    x = torch.randn(16, 4)
+    assert lnp.measure_latency(supernet, {"a": 2, "b": 1}, x, repeats=3) > 0
+    table = lnp.LatencyTable.measure(supernet, x, repeats=3)
+    report = table.error(supernet, x, samples=8, seed=1, repeats=3)
+    assert report.rows and report.device == "cpu" and report.batch_size == 16
+    assert len({tuple(sorted(a.items())) for a, _, _ in report.rows}) == len(report.rows)  # one per subnet
+    assert all(predicted == table.predict(a) and measured > 0 for a, predicted, measured in report.rows)
+    # The statistics from known rows: errors of +10% and -30%.
+    known = lnp.LatencyReport((({"a": 0, "b": 0}, 1.1, 1.0), ({"a": 1, "b": 0}, 1.4, 2.0)), "cpu", 16)
+    assert known.errors_pct == pytest.approx((10.0, -30.0))
+    assert known.mean_abs_pct == pytest.approx(20.0) and known.worst_pct == pytest.approx(30.0)
+    assert known.bias_pct == pytest.approx(-10.0)
+    assert "mean |error| 20.0%, worst 30.0%" in str(known)
+
+
+def test_the_latency_command_saves_a_table_and_reports_its_error(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_naspipe.__main__ import main
+
+    assert main(["latency", "--model", "test_latency:_Net", "--input-shape", "8,4", "--repeats", "2", "--output",
+                 str(tmp_path / "t.json"), "--error-samples", "3"]) == 0
+    table = lnp.LatencyTable.load(tmp_path / "t.json")
+    assert table.labels == (None, "a", "b", None) and table.batch_size == 8
+    out = capsys.readouterr().out
+    assert "saved to" in out and "architectures on cpu, batch size 8: mean |error|" in out
+    assert main(["latency", "--model", "no_colon", "--input-shape", "8,4"]) == 2
+
+
+def _noisy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
+    """Replace the end-to-end measurement by a counted one whose value differs on every call (as noise would)."""
+    calls: list[dict[str, int]] = []
+
+    def fake(supernet: Any, architecture: Any, example_input: Any, repeats: int = 10, warmup: int = 2) -> float:
+        calls.append(dict(architecture))
+        return 1.0 + architecture["a"] + 0.5 * architecture["b"] + 0.001 * len(calls)
+
+    monkeypatch.setattr(latency_module, "measure_latency", fake)
+    return calls
+
+
+def test_a_resumed_measured_latency_search_reuses_every_logged_measurement(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    model, log = _Net(), tmp_path / "search.jsonl"
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
+    limits = lnp.Constraints(latency="measured", max_latency_ms=3.2)
+    calls = _noisy(monkeypatch)
+    first = lnp.search(None, model, lnp.RandomSearch(3, seed=2), data, constraints=limits, log_path=log)
+    assert all(r.latency_kind == "measured" and r.latency_ms is not None and r.latency_ms <= 3.2
+               for r in first.history)
+    measured = list(calls)
+    assert len(measured) == len({tuple(sorted(a.items())) for a in measured})  # each subnet measured once
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum("measured_latency_ms" in line for line in lines) == len(measured)  # every measurement logged
+    calls.clear()
+    again = lnp.search(None, model, lnp.RandomSearch(3, seed=2), data, constraints=limits, log_path=log)
+    assert calls == [] and again.history == first.history
+    # Cut the log after its first two measurements (a search killed early): the resumed search measures only
+    # what the log lacks and reuses the logged (noisy) values.
+    head = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(head[:3]))
+    calls.clear()
+    resumed = lnp.search(None, model, lnp.RandomSearch(3, seed=2), data, constraints=limits, log_path=log)
+    logged = {tuple(sorted(json.loads(line)["architecture"].items())): json.loads(line)["measured_latency_ms"]
+              for line in head[1:3]}
+    assert len(logged) == 2 and len(calls) == len(measured) - 2
+    assert not {tuple(sorted(a.items())) for a in calls} & set(logged)
+    assert [r.architecture for r in resumed.history] == [r.architecture for r in first.history]
+    for r in resumed.history:
+        if tuple(sorted(r.architecture.items())) in logged:
+            assert r.latency_ms == logged[tuple(sorted(r.architecture.items()))]
+    # Other constraints: the log is refused.
+    with pytest.raises(lnp.NASPipeConfigError, match="constraints than this search's"):
+        lnp.search(None, model, lnp.RandomSearch(3, seed=2), data, log_path=log,
+                   constraints=lnp.Constraints(latency="measured", max_latency_ms=3.0))
+
+
+def test_save_subnet_records_the_measured_latency_device_and_batch_size(tmp_path: Path) -> None:
+    net = _supernet().freeze({"a": 1, "b": 0})
+    folder = lnp.save_subnet(net, tmp_path / "best", torch.randn(5, 4), latency_repeats=3)
+    saved = json.loads((folder / "architecture.json").read_text())
+    assert saved["architecture"] == {"a": 1, "b": 0}
+    assert saved["latency"]["ms"] > 0 and saved["latency"]["device"] == "cpu"
+    assert saved["latency"]["batch_size"] == 5 and saved["latency"]["repeats"] == 3
+    assert "latency" not in json.loads((lnp.save_subnet(net, tmp_path / "plain", torch.randn(5, 4))
+                                        / "architecture.json").read_text())
