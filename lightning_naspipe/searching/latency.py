@@ -111,7 +111,7 @@ class LatencyTable:
         """
         self.check(supernet)
         if architectures is None:
-            drawn = {}
+            drawn: dict[tuple[tuple[str, int], ...], Architecture] = {}
             for i in range(samples):
                 a = supernet.canonical(uniform_architecture(supernet.labels, seed, i))
                 drawn.setdefault(tuple(sorted(a.items())), a)
