@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="csp")
     parser.add_argument("--transport", default="auto", help="NASPipeStrategy(transport=...)")
     parser.add_argument("--search", action="store_true", help="after fit: lnp.search, history to OUT.search{rank}")
+    parser.add_argument("--search-measured", action="store_true",
+                        help="with --search: under measured latency, logged to OUT.search.jsonl")
     parser.add_argument("--validate-after", action="store_true",
                         help="after fit: trainer.validate, then a checkpoint to OUT.after_validate, and last a "
                              "save_checkpoint on rank 0 only (OUT.rank0only, its error to OUT.rank0only.error)")
@@ -151,8 +153,10 @@ def main() -> None:
         trainer.validate(model, toy_loader(samples=16, shuffle=False), verbose=False)
         trainer.save_checkpoint(args.out + ".after_validate")
     if args.search:
+        measured = dict(constraints=lnp.Constraints(latency="measured", max_latency_ms=1e6, repeats=1),
+                        log_path=f"{args.out}.search.jsonl") if args.search_measured else {}
         result = lnp.search(trainer, model, SEARCHER, toy_loader(samples=40, shuffle=False),
-                            calibration=toy_loader(samples=16, shuffle=False))
+                            calibration=toy_loader(samples=16, shuffle=False), **measured)
         torch.save(result.history, f"{args.out}.search{trainer.global_rank}")
     if args.validate_after and trainer.is_global_zero:  # a habit: the other stage process has exited by now
         try:

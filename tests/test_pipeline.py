@@ -357,6 +357,17 @@ def test_slurm_requeue_signal_saves_at_a_window_boundary_and_training_goes_on(tm
     assert_same_state({**plain, "losses": {i: plain["losses"][i] for i in resumed["losses"]}}, resumed)
 
 
+def test_a_measured_latency_search_on_stages_agrees_on_every_process(tmp_path: Path) -> None:
+    """Rank 0 times each architecture and every stage process takes its number: the same records everywhere, each
+    with its measured latency, and every measurement in the log."""
+    out = _launch(tmp_path, "--devices", "2", "--window", "8", "--search", "--search-measured")
+    histories = [torch.load(f"{out}.search{rank}", weights_only=False) for rank in range(2)]
+    assert histories[0] == histories[1] and histories[0]
+    assert all(r.latency_kind == "measured" and r.latency_ms is not None and r.latency_ms > 0 for r in histories[0])
+    logged = Path(f"{out}.search.jsonl").read_text()
+    assert all(repr(r.latency_ms) in logged for r in histories[0])
+
+
 def test_search_after_a_pipelined_fit_equals_the_one_device_search(tmp_path: Path) -> None:
     from pipeline_run import SEARCHER
 
