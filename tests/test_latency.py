@@ -5,6 +5,7 @@ before any evaluation); measured latency logged and reused on resume; latency in
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,160 @@ def test_save_subnet_records_the_measured_latency_device_and_batch_size(tmp_path
     assert saved["latency"]["batch_size"] == 5 and saved["latency"]["repeats"] == 3
     assert "latency" not in json.loads((lnp.save_subnet(net, tmp_path / "plain", torch.randn(5, 4))
                                         / "architecture.json").read_text())
+
+
+# -- blocks whose choices sit deeper: per-label deltas ------------------------------------------------------------
+
+
+def _nested_supernet() -> lnp.Supernet:
+    """A block with two ChoiceBlocks inside an nn.Sequential (no label of its own), then a top-level choice."""
+    torch.manual_seed(0)
+
+    def mlp(width: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, 32))
+
+    return lnp.Supernet(nn.Linear(4, 32), nn.Sequential(
+        lnp.ChoiceBlock([nn.Identity(), mlp(256), mlp(2048)], label="a"),
+        lnp.ChoiceBlock([nn.Identity(), nn.Sequential(*[mlp(512) for _ in range(3)])], label="b")),
+        lnp.ChoiceBlock([nn.Tanh(), mlp(1024)], label="c"), nn.Linear(32, 3))
+
+
+def _every(supernet: lnp.Supernet) -> list[dict[str, int]]:
+    labels = list(supernet.labels)
+    out: list[dict[str, int]] = [{}]
+    for label in labels:
+        out = [{**a, label: k} for a in out for k in range(supernet.labels[label])]
+    return out
+
+
+def _by_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Time a module as 1 ms plus 1 ms per 1000 parameters: deterministic, and larger choices cost more."""
+
+    def fake(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = 2,
+             device: torch.device | None = None) -> float:
+        module(example_input)  # the input must fit the module
+        return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
+
+    monkeypatch.setattr(latency_module, "time_module", fake)
+
+
+def _cost(module: nn.Module) -> float:
+    return sum(p.numel() for p in module.parameters()) / 1000
+
+
+def test_a_block_with_nested_choices_gets_per_label_deltas_and_predictions_add_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    supernet = _nested_supernet()
+    _by_parameters(monkeypatch)
+    table = lnp.LatencyTable.measure(supernet, torch.randn(8, 4), repeats=1)
+    assert table.labels == (None, None, "c", None) and [len(row) for row in table.entries] == [1, 1, 2, 1]
+    inner = supernet.blocks[1]
+    a, b = inner[0].candidates, inner[1].candidates
+    assert [label for label, _ in table.nested[1]] == ["a", "b"] and table.nested[0] == table.nested[2] == ()
+    assert table.nested[1][0][1] == pytest.approx((0.0, _cost(a[1]), _cost(a[2])))
+    assert table.nested[1][1][1] == pytest.approx((0.0, _cost(b[1])))
+    assert table.entries[1] == (1.0,)  # the block at the reference subnet, as before
+    predictions = set()
+    for arch in _every(supernet):
+        expected = ((table.entries[0][0] + table.entries[1][0] + table.entries[2][arch["c"]] + table.entries[3][0])
+                    + (table.nested[1][0][1][arch["a"]] + table.nested[1][1][1][arch["b"]]))
+        assert table.predict(arch) == expected and table.predict(arch, supernet) == expected
+        predictions.add(round(table.predict(arch), 9))
+    assert len(predictions) == len(_every(supernet))  # every architecture predicted apart
+    table.check(supernet)
+
+
+def test_nested_predictions_follow_the_measured_latency() -> None:
+    supernet, x = _nested_supernet(), torch.randn(64, 4)
+    slow, fast = {"a": 2, "b": 1, "c": 1}, {"a": 0, "b": 0, "c": 0}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # Real timing on a shared machine: a stall during the table or the end-to-end runs can spoil one attempt.
+        for _ in range(3):
+            table = lnp.LatencyTable.measure(supernet, x, repeats=5)
+            report = table.error(supernet, x, repeats=5, architectures=[
+                slow, fast, {"a": 1, "b": 1, "c": 0}, {"a": 2, "b": 0, "c": 0}])
+            # One entry per block predicts from the reference subnet's blocks only.
+            flat = lnp.LatencyTable(table.entries, table.labels, table.device, table.batch_size)
+            flat_error = statistics.fmean(abs(flat.predict(a) - m) / m for a, _, m in report.rows) * 100
+            if (table.predict(slow) > 2 * table.predict(fast) and report.mean_abs_pct < 40
+                    and report.mean_abs_pct < flat_error):
+                break
+        else:
+            pytest.fail(f"nested predictions far from measured latency in 3 attempts, the last:\n{report}\n"
+                        f"one entry per block: mean |error| {flat_error:.1f}%")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_elastic_layers_get_per_label_deltas_across_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    supernet = lnp.Supernet(lnp.ElasticLinear(4, [8, 64, 128], label="w"), nn.Sequential(
+        lnp.ElasticLinear([8, 64, 128], 32, in_label="w"), nn.ReLU(),
+        lnp.ElasticDepth([nn.Linear(32, 32) for _ in range(3)], label="d")), nn.Linear(32, 3))
+    _by_parameters(monkeypatch)
+    table = lnp.LatencyTable.measure(supernet, torch.randn(8, 4), repeats=1)
+    assert table.labels == (None, None, None) and [len(row) for row in table.entries] == [1, 1, 1]
+    # Block 1 reads "w" through its input width: it is timed on what it receives when block 0 takes "w" = k.
+    assert table.nested[0] == (("w", pytest.approx((0.0, 56 * 5 / 1000, 120 * 5 / 1000))),)
+    assert [label for label, _ in table.nested[1]] == ["w", "d"] and table.nested[2] == ()
+    assert table.nested[1][0][1] == pytest.approx((0.0, 56 * 32 / 1000, 120 * 32 / 1000))
+    assert table.nested[1][1][1] == pytest.approx((0.0, 32 * 33 / 1000, 2 * 32 * 33 / 1000))
+    arch = {"w": 2, "d": 1}
+    assert table.predict(arch) == (sum(row[0] for row in table.entries)
+                                   + (table.nested[0][0][1][2] + table.nested[1][0][1][2] + table.nested[1][1][1][1]))
+
+
+def test_unreached_nested_labels_contribute_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    inner = lnp.ChoiceBlock([nn.Identity(), nn.Linear(8, 8)], label="inner")
+    supernet = lnp.Supernet(nn.Linear(4, 8), nn.Sequential(lnp.ChoiceBlock([inner, nn.Tanh()], label="outer")))
+    _by_parameters(monkeypatch)
+    table = lnp.LatencyTable.measure(supernet, torch.randn(8, 4), repeats=1)
+    assert [label for label, _ in table.nested[1]] == ["outer", "inner"]
+    assert table.predict({"outer": 1, "inner": 1}, supernet) == table.predict({"outer": 1, "inner": 0})
+    assert table.predict({"outer": 0, "inner": 1}, supernet) == table.predict({"outer": 0, "inner": 1})
+
+
+def test_nested_deltas_round_trip_and_a_table_saved_before_them_loads(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    supernet = _nested_supernet()
+    _by_parameters(monkeypatch)
+    table = lnp.LatencyTable.measure(supernet, torch.randn(8, 4), repeats=1)
+    assert table.nested and lnp.LatencyTable.load(table.save(tmp_path / "t.json")) == table
+    old = json.loads((tmp_path / "t.json").read_text())
+    del old["nested"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = lnp.LatencyTable.load(tmp_path / "old.json")
+    assert loaded.nested == () and loaded.entries == table.entries
+    loaded.check(supernet)  # no deltas: checked on its entries, predictions as before
+    assert loaded.predict({"a": 2, "b": 1, "c": 1}) == sum(row[0] for row in table.entries[:2]) + table.entries[2][
+        1] + table.entries[3][0]
+    # A space without nested labels saves no "nested" key, as before.
+    flat = lnp.LatencyTable.measure(_supernet(), torch.randn(8, 4), repeats=1)
+    assert flat.nested == () and "nested" not in json.loads(flat.save(tmp_path / "flat.json").read_text())
+    # Other nested labels: refused.
+    other = lnp.LatencyTable(table.entries, table.labels, table.device, table.batch_size,
+                             ((), (("a", (0.0, 1.0, 2.0)),), (), ()))
+    with pytest.raises(lnp.NASPipeConfigError, match="measured on another supernet"):
+        other.check(supernet)
+
+
+def test_fastest_and_slowest_bound_every_nested_prediction() -> None:
+    supernet = _nested_supernet()
+    table = lnp.LatencyTable.measure(supernet, torch.randn(8, 4), repeats=2)
+    # Noise can make some deltas negative: the bounds must still hold, whatever their signs.
+    tables = [table, lnp.LatencyTable(table.entries, table.labels, table.device, table.batch_size,
+                                      ((), (("a", (0.0, -0.3, 0.7)), ("b", (0.0, 0.2))), (), ()))]
+    for t in tables:
+        predictions = [t.predict(arch, supernet) for arch in _every(supernet)]
+        assert t.fastest_ms() <= min(predictions) and max(predictions) <= t.slowest_ms()
+    model = _Net()
+    model.supernet = supernet
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
+    budget = min(table.predict(arch) for arch in _every(supernet))
+    result = lnp.search(None, model, lnp.GridSearch(), data, latency=table, max_latency_ms=budget)
+    assert result.history and all(table.predict(r.architecture) <= budget for r in result.history)
+    with pytest.raises(lnp.NASPipeConfigError, match="no architecture can meet it"):
+        lnp.search(None, model, lnp.GridSearch(), data, latency=table, max_latency_ms=table.fastest_ms() * 0.99)

@@ -195,12 +195,12 @@ class Constraints:
 
     def settings(self) -> dict[str, Any]:
         """What a search's scores and choices depend on (for its log's fingerprint): every field but the example
-        input, the table by its entries."""
+        input, the table by its entries (and its nested deltas, where it has any)."""
         table = self.table
         return {"ranges": [self.min_params, self.max_params, self.min_flops, self.max_flops, self.min_latency_ms,
                            self.max_latency_ms],
                 "latency": None if self.latency is None else MEASURED if table is None else
-                [table.entries, table.labels, table.device, table.batch_size],
+                [table.entries, table.labels, table.device, table.batch_size, *([table.nested] * bool(table.nested))],
                 "penalty": None if self.penalty is None else dataclasses.astuple(self.penalty),
                 "repeats": self.repeats if self.measured else None}
 
@@ -223,7 +223,7 @@ class Constraints:
         predicted latency (what :class:`~lightning_naspipe.Constrained` asks; sizes cached per architecture)."""
         self.check_training()
         table = self.table
-        if table is not None and not self.within(latency_ms=table.predict(supernet.validate(architecture))):
+        if table is not None and not self.within(latency_ms=table.predict(architecture, supernet)):
             return False  # the cheapest test first
         if not self.bounds_size:
             return True

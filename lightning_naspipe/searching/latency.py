@@ -6,7 +6,11 @@ everywhere else (``supernet.freeze``: what is deployed, without the supernet's d
 receives in that subnet (eval mode, no gradients, after warm-up, the median of ``repeats``, the device
 synchronised). An architecture's predicted latency is the sum of its blocks' entries.
 A block without a choice of its own (a fixed block, or choices nested deeper) has one entry, timed at the
-reference subnet.
+reference subnet. A block whose choices sit deeper (a cell's edge holding its op's :class:`~.choice.ChoiceBlock`,
+choices inside an ``nn.Sequential``, elastic layers) has, besides, per label inside it the *delta* of each of the
+label's choices: the block timed with that label at ``k`` and every other label at 0, minus its reference time
+(0.0 at ``k = 0``). Its share of a prediction is its entry plus the deltas the architecture picks, an additive
+model as once-for-all's and nn-Meter's tables are: it ignores how two labels inside one block interact.
 
 A prediction is only as good as the sum of in-place block times is to the whole subnet's time: :func:`measure_latency`
 times an architecture's frozen subnet end to end, and :meth:`LatencyTable.error` reports how far the table's
@@ -31,10 +35,11 @@ from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import uniform_architecture
-from lightning_naspipe.space.choice import Architecture, ChoiceBlock
+from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Elastic, When
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 
-__all__ = ["LatencyReport", "LatencyTable", "batch_size_of", "device_name", "measure_latency", "time_module"]
+__all__ = ["LatencyReport", "LatencyTable", "batch_size_of", "device_name", "inner_labels", "measure_latency",
+           "time_module"]
 
 #: Warm-up runs before the timed ones, everywhere latency is measured.
 WARMUP = 2
@@ -49,12 +54,18 @@ class LatencyTable:
         labels: per block, the label its entries follow (``None``: one entry).
         device: where it was measured, e.g. ``"cpu"`` or ``"cuda:0"`` (and the GPU's name).
         batch_size: the example input's batch size.
+        nested: per block, per label inside it (a block without a label of its own: its nested choices'
+            and elastic layers' labels, in first-seen order), ``(label, deltas)``: the latency added by each
+            of the label's choices to the block's entry, in ms (``deltas[0] == 0.0``); ``()`` for a block with
+            its own label or none inside. ``()`` altogether when no block has deltas (as in tables saved before
+            they existed).
     """
 
     entries: tuple[tuple[float, ...], ...]
     labels: tuple[str | None, ...]
     device: str
     batch_size: int
+    nested: tuple[tuple[tuple[str, tuple[float, ...]], ...], ...] = ()
 
     @classmethod
     def measure(cls, supernet: Supernet, example_input: BlockValue, repeats: int = 10) -> LatencyTable:
@@ -73,27 +84,62 @@ class LatencyTable:
         reference = {label: 0 for label in net.labels}
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in net.blocks)
         entries: list[tuple[float, ...]] = []
+        nested: list[tuple[tuple[str, tuple[float, ...]], ...]] = []
+        seen: set[str] = set()  # the labels earlier blocks read: a choice of theirs changes what block b receives
         x: Any = example_input
         with torch.no_grad():
             for b, label in enumerate(labels):
                 count = net.labels[label] if label is not None else 1
                 entries.append(tuple(time_module(net.freeze({**reference, **({label: k} if label else {})})[b], x,
                                                  repeats, device=device) for k in range(count)))
+                inside = inner_labels(net.blocks[b])
+                rows = []
+                for inner in inside if label is None else ():
+                    row = [0.0]
+                    for k in range(1, net.labels[inner]):
+                        arch = {**reference, inner: k}
+                        given = _input_of(net, b, example_input, arch) if inner in seen else x
+                        row.append(time_module(net.freeze(arch)[b], given, repeats, device=device) - entries[-1][0])
+                    rows.append((inner, tuple(row)))
+                nested.append(tuple(rows))
+                seen.update(inside)
                 x = net.run_block(b, x, reference)
-        return cls(tuple(entries), labels, device_name(net), batch_size_of(example_input))
+        return cls(tuple(entries), labels, device_name(net), batch_size_of(example_input),
+                   tuple(nested) if any(nested) else ())
 
-    def predict(self, architecture: Mapping[str, int]) -> float:
-        """The predicted latency of ``architecture`` in milliseconds: the sum of its blocks' entries."""
-        return sum(row[architecture[label]] if label is not None else row[0]
-                   for row, label in zip(self.entries, self.labels))
+    def predict(self, architecture: Mapping[str, int], supernet: Supernet | None = None) -> float:
+        """The predicted latency of ``architecture`` in milliseconds: the sum of its blocks' entries and of the
+        nested deltas it picks.
+
+        Args:
+            architecture: the subnet. Without ``supernet``, a label it does not reach should be 0 (as in
+                ``supernet.canonical(architecture)``, which searchers evaluate), else its delta counts.
+            supernet: the table's supernet: the architecture is validated and, where the table has nested deltas,
+                its unreached labels contribute nothing.
+        """
+        if supernet is not None:
+            architecture = supernet.canonical(architecture) if self.nested else supernet.validate(architecture)
+        total = sum(row[architecture[label]] if label is not None else row[0]
+                    for row, label in zip(self.entries, self.labels))
+        if self.nested:
+            total += sum(deltas[architecture[label]] for block in self.nested for label, deltas in block)
+        return total
 
     def fastest_ms(self) -> float:
-        """The lowest latency any architecture can be predicted to have (each block's fastest entry)."""
-        return sum(min(row) for row in self.entries)
+        """A lower bound of every prediction: each block's fastest entry, plus each nested label's smallest delta
+        (reached only when those choices can be taken together)."""
+        total = sum(min(row) for row in self.entries)
+        if self.nested:
+            total += sum(min(deltas) for block in self.nested for _, deltas in block)
+        return total
 
     def slowest_ms(self) -> float:
-        """The highest latency any architecture can be predicted to have (each block's slowest entry)."""
-        return sum(max(row) for row in self.entries)
+        """An upper bound of every prediction: each block's slowest entry, plus each nested label's largest delta
+        (reached only when those choices can be taken together)."""
+        total = sum(max(row) for row in self.entries)
+        if self.nested:
+            total += sum(max(deltas) for block in self.nested for _, deltas in block)
+        return total
 
     def error(self, supernet: Supernet, example_input: BlockValue,
               architectures: Sequence[Mapping[str, int]] | None = None, samples: int = 20, seed: int = 0,
@@ -118,35 +164,45 @@ class LatencyTable:
             architectures = list(drawn.values())
         if not architectures:
             raise NASPipeConfigError("LatencyTable.error needs at least one architecture (samples >= 1).")
-        rows = tuple((dict(a), self.predict(a), measure_latency(supernet, a, example_input, repeats))
+        rows = tuple((dict(a), self.predict(a, supernet), measure_latency(supernet, a, example_input, repeats))
                      for a in architectures)
         return LatencyReport(rows, self.device, self.batch_size)
 
     def check(self, supernet: Supernet) -> None:
-        """Refuse a table measured on another supernet (other blocks, labels or candidate counts)."""
+        """Refuse a table measured on another supernet (other blocks, labels or candidate counts, or other labels
+        nested in its blocks; a table without nested deltas is checked on its entries only)."""
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in supernet.blocks)
         counts = tuple(supernet.labels[label] if label is not None else 1 for label in labels)
-        if labels != self.labels or counts != tuple(len(row) for row in self.entries):
+        nested = tuple(tuple((inner, supernet.labels[inner]) for inner in inner_labels(block)) if label is None
+                       else () for block, label in zip(supernet.blocks, labels))
+        measured = tuple(tuple((inner, len(deltas)) for inner, deltas in block) for block in self.nested)
+        if labels != self.labels or counts != tuple(len(row) for row in self.entries) or (
+                self.nested and nested != measured):
             raise NASPipeConfigError(
                 "This LatencyTable was measured on another supernet (its blocks' labels or candidate counts differ); "
                 "measure it on this one: lnp.LatencyTable.measure(model.supernet, example_input)."
             )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the table as JSON (with the torch version it was measured under); the path."""
+        """Write the table as JSON (with the torch version it was measured under; ``nested`` only when it has
+        deltas); the path."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({"entries": [list(row) for row in self.entries], "labels": list(self.labels),
-                                      "device": self.device, "batch_size": self.batch_size,
-                                      "torch": torch.__version__}, indent=1))
+        data: dict[str, Any] = {"entries": [list(row) for row in self.entries], "labels": list(self.labels),
+                                "device": self.device, "batch_size": self.batch_size, "torch": torch.__version__}
+        if self.nested:
+            data["nested"] = [[[label, list(deltas)] for label, deltas in block] for block in self.nested]
+        target.write_text(json.dumps(data, indent=1))
         return target
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LatencyTable:
-        """Read a table :meth:`save` wrote."""
+        """Read a table :meth:`save` wrote (one without ``nested``, as saved before it existed: no deltas)."""
         data = json.loads(Path(path).read_text())
+        nested = tuple(tuple((str(label), tuple(float(v) for v in deltas)) for label, deltas in block)
+                       for block in data.get("nested", ()))
         return cls(tuple(tuple(float(v) for v in row) for row in data["entries"]), tuple(data["labels"]),
-                   str(data["device"]), int(data["batch_size"]))
+                   str(data["device"]), int(data["batch_size"]), nested)
 
 
 @dataclass(frozen=True)
@@ -235,6 +291,26 @@ def time_module(module: nn.Module, example_input: Any, repeats: int = 10, warmup
     finally:
         module.train(was_training)
     return statistics.median(times)
+
+
+def inner_labels(block: nn.Module) -> tuple[str, ...]:
+    """The labels inside ``block``, in first-seen order: those of its choice blocks (its own too), of its elastic
+    modules' dimensions and of its ``When`` modules (a DARTS edge's input choice)."""
+    found: dict[str, None] = {}
+    for module in block.modules():
+        if isinstance(module, (ChoiceBlock, When)) and module.label is not None:
+            found.setdefault(module.label)
+        elif isinstance(module, Elastic):
+            found.update((dim.label, None) for dim in module.dims.values() if dim.label is not None)
+    return tuple(found)
+
+
+def _input_of(net: Supernet, index: int, example_input: Any, architecture: Mapping[str, int]) -> Any:
+    """What block ``index`` receives in subnet ``architecture``."""
+    x = example_input
+    for b in range(index):
+        x = net.run_block(b, x, architecture)
+    return x
 
 
 def device_name(module: nn.Module) -> str:

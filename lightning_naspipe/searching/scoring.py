@@ -134,7 +134,7 @@ class LatencySource:
     def __call__(self, architecture: Architecture) -> float:
         table = self.constraints.table
         if table is not None:
-            return table.predict(self.supernet.validate(architecture))
+            return table.predict(architecture, self.supernet)
         key = self._key(architecture)
         if key not in self.measured:
             canonical = self.space.canonical(architecture)
