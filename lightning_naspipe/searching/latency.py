@@ -24,7 +24,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,17 +128,18 @@ class LatencyTable:
     def fastest_ms(self) -> float:
         """A lower bound of every prediction: each block's fastest entry, plus each nested label's smallest delta
         (reached only when those choices can be taken together)."""
-        total = sum(min(row) for row in self.entries)
-        if self.nested:
-            total += sum(min(deltas) for block in self.nested for _, deltas in block)
-        return total
+        return self._bound(min)
 
     def slowest_ms(self) -> float:
         """An upper bound of every prediction: each block's slowest entry, plus each nested label's largest delta
         (reached only when those choices can be taken together)."""
-        total = sum(max(row) for row in self.entries)
+        return self._bound(max)
+
+    def _bound(self, pick: Callable[[Sequence[float]], float]) -> float:
+        """Entries and deltas added in :meth:`predict`'s order, so the bound holds in floating point too."""
+        total = sum(pick(row) for row in self.entries)
         if self.nested:
-            total += sum(max(deltas) for block in self.nested for _, deltas in block)
+            total += sum(pick(deltas) for block in self.nested for _, deltas in block)
         return total
 
     def error(self, supernet: Supernet, example_input: BlockValue,
