@@ -54,29 +54,32 @@ def test_tied_embedding_on_three_stages_resumed_on_two_equals_the_plain_trainer(
 
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("devices, stages", [(2, 1), (2, 2)])
-def test_tied_embedding_with_replicas_or_stages_at_chunks_2_equals_the_plain_trainer(tmp_path: Path, devices: int,
-                                                                                     stages: int) -> None:
-    """One stage, two replicas: the tied weight gets two addends per micro-batch (the head's backward call, then
-    the embedding's), and a later replica adds them one by one onto the prefix, as one device does."""
+
+@pytest.fixture(scope="module")
+def plain_chunks2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.set_num_threads(1)
     pl.seed_everything(7, verbose=False)
     model = GPTNet()
     trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=4, chunks=2), max_steps=12))
     trainer.fit(model, loader(), loader(samples=24, shuffle=False))
-    plain_ckpt = tmp_path / "plain.ckpt"
-    trainer.save_checkpoint(plain_ckpt)
-    torch.save(model.losses, f"{plain_ckpt}.losses")
-
-    run = tmp_path / "run.ckpt"
-    run_ranks(tmp_path, SCRIPT, ["--out", str(run), "--devices", str(devices), "--num-stages", str(stages),
-                                 "--chunks", "2", "--max-steps", "12"], torchrun_env(devices))
-    assert_same_state(_state(plain_ckpt), _state(run))
+    path = tmp_path_factory.mktemp("plain") / "plain.ckpt"
+    trainer.save_checkpoint(path)
+    torch.save(model.losses, f"{path}.losses")
+    return _state(path)
 
 
 @pytest.mark.slow
-def test_a_tie_across_replicated_stages_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(AssertionError, match="not supported yet. Use num_stages=1"):
-        run_ranks(tmp_path, SCRIPT, ["--out", str(tmp_path / "bad.ckpt"), "--devices", "4", "--num-stages", "2",
-                                     "--chunks", "2", "--max-steps", "2"], torchrun_env(4))
+@pytest.mark.parametrize("devices, stages, balance", [(2, 1, ""), (2, 2, "3,4"), (4, 2, "3,4"), (4, 2, "4,3")])
+def test_tied_embedding_with_replicas_and_stages_at_chunks_2_equals_the_plain_trainer(
+        tmp_path: Path, plain_chunks2: dict[str, Any], devices: int, stages: int, balance: str) -> None:
+    """The tied weight gets one addend per backward call and per contribution a later stage sends: with the mixing
+    block on the head's stage (3,4), two contributions ride one message. A later replica adds each addend on its
+    own, in order, as one device does (summing a micro-batch's addends first differs in the last bits)."""
+    run = tmp_path / "run.ckpt"
+    run_ranks(tmp_path, SCRIPT, ["--out", str(run), "--devices", str(devices), "--num-stages", str(stages),
+                                 "--chunks", "2", "--max-steps", "12", *(["--balance", balance] if balance else [])],
+              torchrun_env(devices))
+    if balance:
+        ranges = torch.load(f"{run}.ranges", weights_only=False)
+        assert [len(r) for r in ranges] == [int(n) for n in balance.split(",")]
+    assert_same_state(plain_chunks2, _state(run))

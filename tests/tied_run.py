@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--balance", default=None, help="blocks per stage, e.g. 3,4")
     parser.add_argument("--num-stages", type=int, default=None, help="fewer than --devices: replicas of each stage")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--resume", default=None)
@@ -76,7 +77,9 @@ def main() -> None:
         placement_module.rebalanced = alternate  # type: ignore[assignment]
     pl.seed_everything(7, verbose=False)
     model = GPTNet()
-    strategy = lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, num_stages=args.num_stages, timeout=120,
+    balance = [int(n) for n in args.balance.split(",")] if args.balance else None
+    strategy = lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, num_stages=args.num_stages, balance=balance,
+                                   timeout=120,
                                    rebalance_every=1 if args.move_tied_block else 16)
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=args.devices, max_steps=args.max_steps))
     if args.resume:

@@ -17,7 +17,6 @@ from typing import Any, TypedDict
 
 import torch
 
-from lightning_naspipe.pipeline.ties import tied_across_blocks
 from lightning_naspipe.planning.planner import best_layout, plan_layouts
 from lightning_naspipe.planning.profile import profile_supernet
 from lightning_naspipe.space.supernet import BlockValue, Supernet
@@ -58,8 +57,6 @@ def chosen_stages(supernet: Supernet, example: BlockValue, processes: int, chunk
         if device.type == "cpu":
             spec = dataclasses.replace(spec, **CPU_OVERHEADS)
         predictions = plan_layouts(spec, processes, window, chunks)
-        if tied_across_blocks(whole):  # stages x replicas with a tie is refused (pipeline/engine.py)
-            predictions = [p for p in predictions if p.stages == 1 or p.replicas == 1]
         best = best_layout(predictions)
         rates = ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}" for p in predictions)
         choice = (best.stages, f"NASPipe: num_stages='auto' chose {best.stages} stage(s) x {best.replicas} "

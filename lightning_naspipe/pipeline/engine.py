@@ -35,7 +35,7 @@ from lightning_naspipe.pipeline.actions import FORWARD, Action
 from lightning_naspipe.pipeline.schedule import SCHEDULES
 from lightning_naspipe.space.supernet import BlockValue, Resource
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
-from lightning_naspipe.pipeline.ties import TieRoutes, tied_across_blocks, ties_of
+from lightning_naspipe.pipeline.ties import TieRoutes, ties_of
 from lightning_naspipe.pipeline.weight_grads import DeferralChooser, serialised
 
 
@@ -199,14 +199,6 @@ class Engine:
                 f"The training steps of one window train {sorted(subnets)} subnets each (sample_step): give every "
                 "step the same number" + ("; and with data-parallel replicas, one subnet per step (set num_stages to "
                                           "the number of processes)" if self.replicas is not None else "") + ".")
-        if self.replicas is not None and len(self.stage_blocks) > 1 and tied_across_blocks(supernet):
-            # Not yet exact: 2 stages x 2 replicas with a tied embedding and head differ from one device in some
-            # runs (test_ties_stages.py); one stage with replicas, or stages alone, are exact.
-            raise NASPipeConfigError(
-                "The supernet ties a weight across blocks (e.g. a tied embedding and head), and NASPipeStrategy runs "
-                f"{len(self.stage_blocks)} stages with {self.replicas.replicas} replicas each: that combination is "
-                "not supported yet. Use num_stages=1 (replicas only) or one replica per stage (num_stages = the "
-                "number of processes).")
         return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule,
                                                    len(self.chunk_share) * subnets.pop(), self.memory_budget,
                                                    following, done, norms))

@@ -324,8 +324,7 @@ class StageExecutor:
             assert self.transport is not None
             received = self.transport.recv_gradient(index, c)
             if self.ties is not None:
-                received, passing = self.ties.take_grads(k, received)
-                self._collect()
+                received, passing = self.ties.take_grads(k, received, self._collect)
             start = time.perf_counter()
             grads = self._capturing(k, block, contributions, lambda: self._block_backward(
                 outputs, received, inputs, architecture, block, deferred))

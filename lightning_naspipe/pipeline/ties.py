@@ -26,7 +26,7 @@ anywhere, and the value a holder receives with ``F(j, 0)`` is then the one after
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -38,7 +38,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.placement import first_blocks, owner_of
 from lightning_naspipe.space.supernet import BlockValue, Resource, Supernet
 
-__all__ = ["Shared", "StageTies", "TieRoutes", "tied_across_blocks", "ties_of"]
+__all__ = ["Shared", "StageTies", "TieRoutes", "ties_of"]
 
 
 @dataclass(frozen=True)
@@ -165,10 +165,11 @@ class TieRoutes:
             return activation
         return (activation, *(passing[n] if n in passing else self.ties.shared[n].tensor.detach() for n in slots))
 
-    def take_grads(self, k: int, message: tuple[Tensor | None, ...]) -> tuple[tuple[Tensor | None, ...], list[Any]]:
+    def take_grads(self, k: int, message: tuple[Tensor | None, ...],
+                   accumulated: Callable[[], None] = lambda: None) -> tuple[tuple[Tensor | None, ...], list[Any]]:
         """Subnet ``k``'s input gradients from the next stage without the contributions they carry; those to the
-        parameters this stage owns go onto their ``.grad`` in order (before this stage's blocks' backward), the
-        others are kept to pass on."""
+        parameters this stage owns go onto their ``.grad`` one by one, in order (before this stage's blocks'
+        backward), ``accumulated()`` called after each; the others are kept to pass on."""
         slots = self.grad_slots(k, self.stage + 1)
         if not slots:
             return message, []
@@ -184,6 +185,7 @@ class TieRoutes:
                         p.grad = torch.empty_like(p).copy_(value)
                     else:
                         p.grad.add_(value)
+                    accumulated()
         return grads, passing
 
     def captured(self, k: int, block: int) -> list[Tensor]:
@@ -201,11 +203,6 @@ class TieRoutes:
 
 
 _CACHE: weakref.WeakKeyDictionary[Supernet, tuple[tuple[range, ...], StageTies | None]] = weakref.WeakKeyDictionary()
-
-
-def tied_across_blocks(supernet: Supernet) -> bool:
-    """Whether two blocks hold one parameter: a tie that some stage split cuts."""
-    return bool(StageTies(supernet, tuple(range(b, b + 1) for b in range(len(supernet.blocks)))).shared)
 
 
 def ties_of(supernet: Supernet, stage_blocks: Sequence[range]) -> StageTies | None:
