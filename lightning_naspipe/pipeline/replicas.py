@@ -185,25 +185,30 @@ class ReplicaUpdates:
         layers the one-device running statistics, on every replica. ``chunks``: this replica's micro-batches."""
         group, layers = self.group, list(self._touched.pop(index, {}).values())
         self.params.pop(index, None)
+        statistics = [b for m in layers for b in m.buffers(recurse=False)]
+        last = group.replica == group.replicas - 1
         if group.replica == 0:
             grads: list[Tensor | None] = [p.grad for p in params]
-            buffers = [_statistics(m) for m in layers]
         else:
-            grads, buffers = group.recv_previous()
+            grads, buffers = _unpacked(group.recv_previous(), [*params], statistics)
             for chunk in chunks:
                 own = self._grads.pop((index, chunk), [[] for _ in params])
                 grads = [ordered_sum((total, *parts)) for total, parts in zip(grads, own)]
-            _load_statistics(layers, buffers)
+            _load(statistics, buffers)
             for chunk in chunks:
                 for layer, batch in self._inputs.pop((index, chunk), []):
                     _replay(layer, batch)
-            buffers = [_statistics(m) for m in layers]
-        if group.replica < group.replicas - 1:
-            group.send_next((grads, buffers))
-        grads, buffers = group.from_last((grads, buffers) if group.replica == group.replicas - 1 else None)
-        for p, grad in zip(params, grads):
-            p.grad = None if grad is None else grad.to(p.device)
-        _load_statistics(layers, buffers)
+        message = _packed(grads, params, statistics)  # copied out as it is sent: the values of now
+        if not last:
+            group.send_next(message)
+            grads, buffers = _unpacked(group.from_last(None), params, statistics)
+            for p, grad in zip(params, grads):
+                p.grad = None if grad is None else grad.to(p.device)
+            _load(statistics, buffers)
+        else:
+            group.from_last(message)
+            for p, grad in zip(params, grads):
+                p.grad = grad
 
     def drop_from(self, index: int) -> None:
         """Forget what forwards of subnets ``index`` and later kept (a lookahead that did not come)."""
@@ -242,15 +247,45 @@ class _Hook:
         return (_Hook, (None,))
 
 
-def _statistics(layer: nn.Module) -> list[Tensor]:
-    return [b.detach().clone() for b in layer.buffers(recurse=False)]
+def _packed(grads: Sequence[Tensor | None], params: Sequence[Tensor], statistics: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The gradients and BatchNorm statistics as one message of a few tensors: which gradients are ``None``, then one
+    flat buffer per dtype. Packing and unpacking cost about 10 µs per tensor, and a stage holds dozens of them."""
+    templates, values = [*params, *statistics], [*grads, *statistics]
+    present = torch.tensor([v is not None for v in values], dtype=torch.bool)
+    flat: dict[torch.dtype, list[Tensor]] = {dtype: [] for dtype in _dtypes(templates)}
+    for value, template in zip(values, templates):
+        if value is not None:
+            flat[template.dtype].append(value.detach().reshape(-1))
+    return (present, *(torch.cat(parts) if parts else torch.empty(0, dtype=dtype) for dtype, parts in flat.items()))
 
 
-def _load_statistics(layers: Sequence[nn.Module], statistics: Sequence[Sequence[Tensor]]) -> None:
+def _unpacked(message: Sequence[Tensor], params: Sequence[Tensor],
+              statistics: Sequence[Tensor]) -> tuple[list[Tensor | None], list[Tensor]]:
+    """What :func:`_packed` sent: views of its flat buffers shaped as ``params`` and ``statistics``."""
+    templates = [*params, *statistics]
+    flat = dict(zip(_dtypes(templates), message[1:]))
+    offsets = dict.fromkeys(flat, 0)
+    values: list[Tensor | None] = []
+    for present, template in zip(message[0].tolist(), templates):
+        if not present:
+            values.append(None)
+            continue
+        start = offsets[template.dtype]
+        offsets[template.dtype] = start + template.numel()
+        values.append(flat[template.dtype][start:start + template.numel()].view(template.shape))
+    buffers = values[len(params):]
+    assert all(b is not None for b in buffers), "BatchNorm statistics are always sent"
+    return values[:len(params)], [b for b in buffers if b is not None]
+
+
+def _dtypes(templates: Sequence[Tensor]) -> list[torch.dtype]:
+    return list(dict.fromkeys(t.dtype for t in templates))
+
+
+def _load(statistics: Sequence[Tensor], values: Sequence[Tensor]) -> None:
     with torch.no_grad():
-        for layer, values in zip(layers, statistics):
-            for buffer, value in zip(layer.buffers(recurse=False), values):
-                buffer.copy_(value)
+        for buffer, value in zip(statistics, values):
+            buffer.copy_(value)
 
 
 def _replay(layer: Any, batch: Tensor) -> None:
