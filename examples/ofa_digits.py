@@ -1,11 +1,12 @@
 """A once-for-all-style elastic MobileNet on scikit-learn's digits: the sandwich rule with in-place distillation
 on 2 pipeline stages, then a search under a FLOPs budget and the best subnet exported (nothing downloaded).
 
-The space (8x8 grayscale digits, 10 classes): a fixed stem (conv 1->16, BN, ReLU), then an elastic depth of 1-3
-inverted-bottleneck blocks, each with an elastic expansion (2x, 3x or 4x: the leading channels of one weight) and
-an elastic depthwise kernel (3 or 5: the centre of one 5x5 kernel), then a fixed head (pool, Linear 16->10). Every
-candidate is a slice of shared weights, so the subnets of a step conflict on every block: the pipeline gains from
-the step's subnets and micro-batches, not from CSP overlap. Run::
+The space (8x8 grayscale digits, 10 classes): a fixed stem (conv 1->16, BN, ReLU), then two units, as
+once-for-all's MobileNet has five, each an elastic depth of 1-2 inverted-bottleneck blocks, each block with an
+elastic expansion (2x, 3x or 4x: the leading channels of one weight) and an elastic depthwise kernel (3 or 5: the
+centre of one 5x5 kernel), then a fixed head (pool, Linear 16->10). A unit is one supernet block, so the stages
+split between units. Every candidate is a slice of shared weights, so the subnets of a step conflict on every
+block: the pipeline gains from the step's subnets and micro-batches, not from CSP overlap. Run::
 
     python examples/ofa_digits.py                     # sandwich rule + distillation, 2 stages
     python examples/ofa_digits.py --recipe single     # one uniform subnet per step (SPOS), for comparison
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_naspipe as lnp
 
-EXPANSIONS, KERNELS, CHANNELS = (2, 3, 4), (3, 5), 16
+EXPANSIONS, KERNELS, CHANNELS, UNITS = (2, 3, 4), (3, 5), 16, 2
 
 
 def inverted_bottleneck(i: int) -> nn.Module:
@@ -57,7 +58,8 @@ class ElasticMobileNet(lnp.NASPipeMixin, pl.LightningModule):
         self.lr = lr
         self.supernet = lnp.Supernet(
             nn.Sequential(nn.Conv2d(1, CHANNELS, 3, padding=1, bias=False), nn.BatchNorm2d(CHANNELS), nn.ReLU()),
-            lnp.ElasticDepth([inverted_bottleneck(i) for i in range(3)], depths=[1, 2, 3], label="depth"),
+            *(lnp.ElasticDepth([inverted_bottleneck(2 * unit + i) for i in range(2)], depths=[1, 2],
+                               label=f"depth{unit}") for unit in range(UNITS)),
             nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(CHANNELS, 10)),
         )
         self.step_sampler = lnp.Sandwich(2) if recipe == "sandwich" else None
