@@ -190,7 +190,7 @@ class ReplicaUpdates:
         if group.replica == 0:
             grads: list[Tensor | None] = [p.grad for p in params]
         else:
-            grads, buffers = _unpacked(group.recv_previous(), [*params], statistics)
+            grads, buffers = _unpacked(group.recv_previous(), params, statistics)
             for chunk in chunks:
                 own = self._grads.pop((index, chunk), [[] for _ in params])
                 grads = [ordered_sum((total, *parts)) for total, parts in zip(grads, own)]
@@ -247,7 +247,8 @@ class _Hook:
         return (_Hook, (None,))
 
 
-def _packed(grads: Sequence[Tensor | None], params: Sequence[Tensor], statistics: Sequence[Tensor]) -> tuple[Tensor, ...]:
+def _packed(grads: Sequence[Tensor | None], params: Sequence[Tensor],
+            statistics: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """The gradients and BatchNorm statistics as one message of a few tensors: which gradients are ``None``, then one
     flat buffer per dtype. Packing and unpacking cost about 10 µs per tensor, and a stage holds dozens of them."""
     templates, values = [*params, *statistics], [*grads, *statistics]

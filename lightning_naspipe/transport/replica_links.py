@@ -46,7 +46,7 @@ class ReplicaLinks:
         replica: this process's replica.
         ranks: the global rank of each replica of this stage, in replica order.
         names: how errors name each global rank, indexed by it (e.g. ``"stage 1 replica 0 (rank 2)"``).
-        group: the process group of exactly those ranks (for :meth:`gather`).
+        group: the process group of exactly those ranks (to connect the links).
         device: the stage's compute device (message buffers live there with NCCL).
         timeout: how long a receive may wait before the peer is declared lost.
         failures: where processes post the error that stopped them (shared with the stage's transport).
@@ -63,7 +63,6 @@ class ReplicaLinks:
         self._failures = failures
         self.ranks = list(ranks)
         self.names = list(names)
-        self.group = group
         self._wait_s = 0.0
         if links not in TRANSPORTS:
             raise ValueError(f"unknown links {links!r}; choose one of {TRANSPORTS}")
