@@ -29,10 +29,14 @@ def plain_chunks4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                         max_epochs=2)
 
 
-@pytest.mark.parametrize("devices, stages", [(2, 2), (2, 1), (4, 2)])
-def test_replicas_equal_the_plain_trainer(tmp_path: Path, plain_chunks4: dict, devices: int, stages: int) -> None:
+@pytest.mark.parametrize("devices, stages, transport", [(2, 2, "auto"), (2, 1, "auto"), (4, 2, "auto"),
+                                                        (4, 2, "torch")])
+def test_replicas_equal_the_plain_trainer(tmp_path: Path, plain_chunks4: dict, devices: int, stages: int,
+                                          transport: str) -> None:
+    """``transport="torch"``: the replicas' sums and per-window gathers take torch.distributed point to point, as
+    with NCCL or several hosts, instead of shared memory."""
     ckpt = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--window", "4",
-                   "--chunks", "4")
+                   "--chunks", "4", "--transport", transport)
     assert_same_state(plain_chunks4, _state(ckpt))
     for rank in range(devices):  # every rank holds the whole trained supernet after fit
         weights = torch.load(f"{ckpt}.rank{rank}")
