@@ -76,19 +76,22 @@ def main() -> None:
     parser.add_argument("--clip-algorithm", default=None, help="Trainer(gradient_clip_algorithm=...)")
     parser.add_argument("--rebalance-every", type=int, default=16, help="NASPipeStrategy(rebalance_every=...), 0: None")
     parser.add_argument("--force-rebalance", action="store_true",
-                        help="check the balance every window and move the first stage cut there and back")
+                        help="check the balance every window and move the first movable stage cut there and back")
     args = parser.parse_args()
     if args.force_rebalance:
         import lightning_naspipe.integration.stage_placement as placement_module
 
         def alternate(ranges: list[range], busy: object, weights: object, forbidden: object) -> list[range] | None:
-            grow = len(ranges[1]) > 1 and (len(ranges[0]) == 1 or ranges[0].stop % 2 == 1)
-            if not grow and len(ranges[0]) == 1:
-                return None
-            cut = ranges[0].stop + (1 if grow else -1)
-            with open(args.out + ".moves", "a") as moves:
-                moves.write(f"{os.getpid()} {cut}\n")
-            return [range(0, cut), range(cut, ranges[1].stop), *ranges[2:]]
+            # The first cut that can move, there and back: the timed split may give the first stages one
+            # block each, where the first cut alone could not move.
+            for i, (left, right) in enumerate(zip(ranges, ranges[1:])):
+                grow = len(right) > 1 and (len(left) == 1 or left.stop % 2 == 1)
+                if grow or len(left) > 1:
+                    cut = left.stop + (1 if grow else -1)
+                    with open(args.out + ".moves", "a") as moves:
+                        moves.write(f"{os.getpid()} {cut}\n")
+                    return [*ranges[:i], range(left.start, cut), range(cut, right.stop), *ranges[i + 2:]]
+            return None
 
         placement_module.rebalanced = alternate  # type: ignore[assignment]
     if args.force_layout is not None:

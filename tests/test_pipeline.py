@@ -82,7 +82,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                          [(3, 1, True, "auto", False), (3, 8, False, "torch", True)])
 def test_stages_equal_plain_trainer(tmp_path: Path, plain: dict, stages: int, window: int, timed_split: bool,
                                     transport: str, rebalance: bool) -> None:
-    # With rebalance, the first cut moves every window (there and back) with weights, buffers and Adam
+    # With rebalance, a stage cut moves every window (there and back) with weights, buffers and Adam
     # state; test_rebalancing_every_window_with_offload_changes_nothing moves the offloaded host stash too.
     ckpt = _launch(tmp_path, "--devices", str(stages), "--window", str(window), "--transport", transport,
                    *(["--example-input"] if timed_split else []), *(["--force-rebalance"] if rebalance else []))
@@ -137,7 +137,7 @@ def test_default_split_is_timed_on_the_first_batch_and_changes_nothing(tmp_path:
 
 
 def test_rebalancing_every_window_with_offload_changes_nothing(tmp_path: Path, plain: dict) -> None:
-    # The first cut moves every window (there and back), with weights, buffers, Adam state and the host
+    # A stage cut moves every window (there and back), with weights, buffers, Adam state and the host
     # stash (the pipelined offload test: 3 stages, the result equals the plain Trainer's). Without
     # offload: test_stages_equal_plain_trainer[3-8-False-torch-True].
     ckpt = _launch(tmp_path, "--devices", "3", "--window", "4", "--force-rebalance", "--offload")
