@@ -26,16 +26,22 @@ def _state(ckpt: Path) -> dict[str, Any]:
             "losses": torch.load(f"{ckpt}.losses", weights_only=False), "global_step": raw["global_step"]}
 
 
-@pytest.mark.slow
-def test_tied_embedding_on_three_stages_resumed_on_two_equals_the_plain_trainer(tmp_path: Path) -> None:
+def _plain(path: Path, **trainer_overrides: Any) -> GPTNet:
+    """The plain Trainer's run of GPTNet, its checkpoint and losses saved at ``path``; the trained module."""
     torch.set_num_threads(1)
     pl.seed_everything(7, verbose=False)
     model = GPTNet()
-    trainer = pl.Trainer(**trainer_kwargs())
+    trainer = pl.Trainer(**trainer_kwargs(**trainer_overrides))
     trainer.fit(model, loader(), loader(samples=24, shuffle=False))
+    trainer.save_checkpoint(path)
+    torch.save(model.losses, f"{path}.losses")
+    return model
+
+
+@pytest.mark.slow
+def test_tied_embedding_on_three_stages_resumed_on_two_equals_the_plain_trainer(tmp_path: Path) -> None:
     plain_ckpt = tmp_path / "plain.ckpt"
-    trainer.save_checkpoint(plain_ckpt)
-    torch.save(model.losses, f"{plain_ckpt}.losses")
+    model = _plain(plain_ckpt)
 
     stop = tmp_path / "stop.ckpt"
     run_ranks(tmp_path, SCRIPT, ["--out", str(stop), "--devices", "3", "--max-steps", "10", "--move-tied-block"],
@@ -53,18 +59,10 @@ def test_tied_embedding_on_three_stages_resumed_on_two_equals_the_plain_trainer(
     assert all(torch.equal(val[key], model.val_losses[key]) for key in val)
 
 
-
-
 @pytest.fixture(scope="module")
 def plain_chunks2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    pl.seed_everything(7, verbose=False)
-    model = GPTNet()
-    trainer = pl.Trainer(**trainer_kwargs(strategy=lnp.NASPipeStrategy(window=4, chunks=2), max_steps=12))
-    trainer.fit(model, loader(), loader(samples=24, shuffle=False))
     path = tmp_path_factory.mktemp("plain") / "plain.ckpt"
-    trainer.save_checkpoint(path)
-    torch.save(model.losses, f"{path}.losses")
+    _plain(path, strategy=lnp.NASPipeStrategy(window=4, chunks=2), max_steps=12)
     return _state(path)
 
 

@@ -79,8 +79,7 @@ def main() -> None:
     model = GPTNet()
     balance = [int(n) for n in args.balance.split(",")] if args.balance else None
     strategy = lnp.NASPipeStrategy(window=args.window, chunks=args.chunks, num_stages=args.num_stages, balance=balance,
-                                   timeout=120,
-                                   rebalance_every=1 if args.move_tied_block else 16)
+                                   timeout=120, rebalance_every=1 if args.move_tied_block else 16)
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=args.devices, max_steps=args.max_steps))
     if args.resume:
         model.losses.update(torch.load(args.resume + ".losses", weights_only=False))

@@ -351,11 +351,6 @@ class StageExecutor:
         """``backward()`` of ``block``; with a copy of a parameter tied to an earlier stage's in it, that copy's
         ``.grad`` is the block's contribution alone, taken into ``contributions`` (the copy keeps no gradient)."""
         tensors = self.ties.captured(k, block) if self.ties is not None else []
-        if not tensors:
-            try:
-                return backward()
-            finally:
-                self._collect()
         kept = [t.grad for t in tensors]  # None in a stage process; the owner's, when stages share a module
         for t in tensors:
             t.grad = None
@@ -365,7 +360,7 @@ class StageExecutor:
             contributions.extend(t.grad for t in tensors)
             for t, grad in zip(tensors, kept):
                 t.grad = grad
-            self._collect()
+            self._collect()  # the block's backward call was one accumulation
 
     def _collect(self) -> None:
         """After one accumulation onto ``.grad``: a later replica keeps it as an addend of its own (see

@@ -12,13 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
+from torch import nn
+
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import SAMPLER_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet
 
-__all__ = ["ArchitectureRange", "Constrained", "FairNAS", "Sandwich", "covers_every_candidate", "parameter_counts",
-           "subnet_parameters"]
+__all__ = ["ArchitectureRange", "Constrained", "FairNAS", "Sandwich", "covers_every_candidate", "frozen_shapes",
+           "parameter_counts", "subnet_parameters"]
 
 _FAIR_DOMAIN = 0xFA12
 _CONSTRAINED_DOMAIN = 0xC0A5
@@ -31,11 +33,16 @@ def parameter_counts(supernet: Supernet, label: str) -> list[int]:
 
 
 def subnet_parameters(supernet: Supernet, architecture: Architecture) -> int:
-    """The parameter count of ``architecture``'s frozen subnet. Shapes alone decide it, so it is counted on a
+    """The parameter count of ``architecture``'s frozen subnet (see :func:`frozen_shapes`)."""
+    return sum(p.numel() for p in frozen_shapes(supernet, architecture).parameters())
+
+
+def frozen_shapes(supernet: Supernet, architecture: Architecture) -> nn.Sequential:
+    """``supernet.freeze(architecture)`` on any process: for what shapes alone decide (parameters, FLOPs), counted on a
     stage process during training too, where ``freeze`` would refuse blocks whose weights are elsewhere."""
     held, supernet.local_blocks = supernet.local_blocks, None
     try:
-        return sum(p.numel() for p in supernet.freeze(architecture).parameters())
+        return supernet.freeze(architecture)
     finally:
         supernet.local_blocks = held
 

@@ -14,15 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.step_sampling import subnet_parameters
+from lightning_naspipe.pipeline.step_sampling import frozen_shapes
 from lightning_naspipe.searching.latency import LatencyTable, batch_size_of
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet
 
-__all__ = ["Constraints", "LatencyPenalty"]
+__all__ = ["Constraints", "LatencyPenalty", "sizes_of"]
 
 #: ``Constraints(latency=MEASURED)``: each architecture's frozen subnet timed end to end.
 MEASURED = "measured"
@@ -233,16 +234,17 @@ class Constraints:
     def _size(self, supernet: Supernet, architecture: Architecture) -> tuple[int, int | None]:
         key = (id(supernet), tuple(sorted(supernet.canonical(architecture).items())))
         if key not in self._sizes:
-            params = subnet_parameters(supernet, architecture)
-            flops = None
-            if self.min_flops is not None or self.max_flops is not None:
-                held, supernet.local_blocks = supernet.local_blocks, None
-                try:
-                    net = supernet.freeze(architecture).eval()
-                finally:
-                    supernet.local_blocks = held
-                with torch.no_grad(), FlopCounterMode(display=False) as counter:
-                    net(self.example_input)
-                flops = int(counter.get_total_flops()) // batch_size_of(self.example_input)
-            self._sizes[key] = (params, flops)
+            net = frozen_shapes(supernet, architecture)
+            if self.min_flops is None and self.max_flops is None:
+                self._sizes[key] = (sum(p.numel() for p in net.parameters()), None)
+            else:
+                self._sizes[key] = sizes_of(net.eval(), self.example_input)
         return self._sizes[key]
+
+
+def sizes_of(net: nn.Module, example_input: Any) -> tuple[int, int]:
+    """``net``'s parameters, and its FLOPs per sample on ``example_input`` (torch's FLOP counter on one forward
+    without gradients, divided by the batch size)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        net(example_input)
+    return sum(p.numel() for p in net.parameters()), int(counter.get_total_flops()) // batch_size_of(example_input)

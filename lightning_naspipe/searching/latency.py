@@ -37,6 +37,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling import uniform_architecture
 from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Elastic, When
 from lightning_naspipe.space.supernet import BlockValue, Supernet
+from lightning_naspipe.transport.boundary import tensors_in
 
 __all__ = ["LatencyReport", "LatencyTable", "batch_size_of", "device_name", "inner_labels", "measure_latency",
            "time_module"]
@@ -327,10 +328,5 @@ def _synchronize(device: torch.device) -> None:
 
 def batch_size_of(value: Any) -> int:
     """The first dimension of the first tensor in ``value`` (1 for a scalar or no tensor)."""
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.dim() else 1
-    if isinstance(value, (tuple, list)) and value:
-        return batch_size_of(value[0])
-    if isinstance(value, dict) and value:
-        return batch_size_of(next(iter(value.values())))
-    return 1
+    first = tensors_in(value)
+    return int(first[0].shape[0]) if first and first[0].dim() else 1

@@ -18,13 +18,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching import latency as latency_module
-from lightning_naspipe.searching.constraints import Constraints
+from lightning_naspipe.searching.constraints import Constraints, sizes_of
 from lightning_naspipe.searching.search_log import append_measurement, read_measurements
 from lightning_naspipe.searching.searchers import Key, Record, SearchSpace, architecture_key
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
 from lightning_naspipe.space.supernet import Supernet
-from lightning_naspipe.transport.boundary import tensors_in
 from lightning_naspipe.transport.distributed import broadcast_object
 
 __all__ = ["LatencySource", "Scorer"]
@@ -40,8 +39,7 @@ class Scorer:
         self._measured: dict[tuple[tuple[str, int], ...], tuple[int, int]] = {}
         #: What searchers see: the labels, and which architectures run one subnet.
         self.space = SearchSpace(supernet.labels, supernet.canonical)
-        first = tensors_in(model.pipeline_input(batches[0]))
-        self.samples = first[0].shape[0] if first and first[0].dim() else 1  # FLOPs are reported per sample
+        self.samples = latency_module.batch_size_of(model.pipeline_input(batches[0]))  # FLOPs are per sample
 
     def key(self, architecture: Architecture) -> tuple[tuple[str, int], ...]:
         """Equal for architectures that run the same subnet (one canonical form), which score the same."""
@@ -57,11 +55,8 @@ class Scorer:
         """Parameters, and FLOPs per sample of the first batch's forward (a constraint's inputs)."""
         key = self.key(architecture)
         if key not in self._measured:
-            net = self.supernet.freeze(architecture).eval()
-            with torch.no_grad(), FlopCounterMode(display=False) as counter:
-                net(self.model.pipeline_input(self.batches[0]))
-            self._measured[key] = (sum(p.numel() for p in net.parameters()),
-                                   int(counter.get_total_flops()) // self.samples)
+            self._measured[key] = sizes_of(self.supernet.freeze(architecture).eval(),
+                                           self.model.pipeline_input(self.batches[0]))
         return self._measured[key]
 
     def __call__(self, architecture: Architecture) -> tuple[float, int, int]:
