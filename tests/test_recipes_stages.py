@@ -61,3 +61,16 @@ def test_sandwich_resumes_onto_another_stage_count(tmp_path: Path, plain: Callab
                       LNP_TEST_RECIPE="sandwich", LNP_TEST_SPACE=space)
     assert_same_state(plain("sandwich", 1, space), _state(resumed))
 
+
+
+@pytest.mark.parametrize("recipe, space, devices, stages", [
+    ("sandwich", "choices", 2, 1), ("sandwich", "elastic", 2, 1), ("sandwich", "elastic", 4, 2),
+    ("fairnas", "elastic", 4, 2), ("constrained", "choices", 4, 2)])
+def test_a_recipe_on_replicas_equals_the_plain_trainer(tmp_path: Path, plain: Callable[[str, int, str], dict[str, Any]],
+                                                       recipe: str, space: str, devices: int, stages: int) -> None:
+    """Chunks 2 on 2 replicas: a step's micro-batches (3 subnets x 2 pieces with the sandwich rule) are shared
+    subnet by subnet, so replica 1 starts inside the second subnet and needs the teacher replica 0 computed;
+    the elastic space has BatchNorm over elastic channels, whose running statistics the replicas replay."""
+    ckpt = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--window", "4", "--chunks", "2",
+                   LNP_TEST_RECIPE=recipe, LNP_TEST_SPACE=space)
+    assert_same_state(plain(recipe, 2, space), _state(ckpt))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_naspipe as lnp
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.replicas import ReplicaUpdates, ordered_sum
 
@@ -71,8 +72,42 @@ class _World:
         self.barrier = threading.Barrier(size)
 
 
-def _model(momentum: float | None) -> nn.Module:
+class _Elastic(nn.Module):
+    """An elastic width with BatchNorm over its channels; micro-batch ``c`` runs width ``WIDTHS[c % 3]``, so the
+    running statistics of the leading channels get different numbers of updates."""
+
+    WIDTHS = [3, 5, 8]
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.supernet = lnp.Supernet(lnp.ElasticLinear(6, self.WIDTHS, label="w"),
+                                     lnp.ElasticBatchNorm1d(self.WIDTHS, label="w", momentum=momentum),
+                                     nn.Tanh(), lnp.ElasticLinear(self.WIDTHS, 3, in_label="w"),
+                                     nn.BatchNorm1d(3, momentum=momentum))
+        self.chunk = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.supernet(x, {"w": self.chunk % len(self.WIDTHS)})
+
+
+class _Choice(nn.Module):
+    """Micro-batches 0-1 and 2-3 run different BatchNorm layers (as the subnets of one training step may), so a
+    later replica updates a layer that the replicas before it did not."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.norms = nn.ModuleList([nn.BatchNorm1d(3, momentum=momentum) for _ in range(2)])
+        self.chunk = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norms[self.chunk // 2](self.linear(x))
+
+
+def _model(momentum: float | None, kind: str = "batch_norm") -> nn.Module:
     torch.manual_seed(0)
+    if kind != "batch_norm":
+        return {"elastic_batch_norm": _Elastic, "per_subnet_batch_norm": _Choice}[kind](momentum)
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, momentum=momentum), nn.Tanh(), nn.Linear(8, 3),
                          nn.BatchNorm1d(3, momentum=momentum))
 
@@ -82,20 +117,21 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 6, generator=generator) * 3 + 1, torch.randint(0, 3, (16,), generator=generator)
 
 
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x), y) * 0.25
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, c: int) -> torch.Tensor:
+    model.chunk = c
+    return nn.functional.cross_entropy(model(x.tensor_split(CHUNKS)[c]), y.tensor_split(CHUNKS)[c]) * 0.25
 
 
-def _one_device(momentum: float | None) -> nn.Module:
-    model = _model(momentum)
+def _one_device(momentum: float | None, kind: str) -> nn.Module:
+    model = _model(momentum, kind)
     x, y = _batch()
     for c in range(CHUNKS):  # as the sequential engine: forward and backward micro-batch by micro-batch
-        _loss(model, x.tensor_split(CHUNKS)[c], y.tensor_split(CHUNKS)[c]).backward()
+        _loss(model, x, y, c).backward()
     return model
 
 
-def _replicated(replicas: int, momentum: float | None) -> list[nn.Module]:
-    world, models = _World(replicas), [_model(momentum) for _ in range(replicas)]
+def _replicated(replicas: int, momentum: float | None, kind: str) -> list[nn.Module]:
+    world, models = _World(replicas), [_model(momentum, kind) for _ in range(replicas)]
     x, y = _batch()
     errors: list[BaseException] = []
 
@@ -108,7 +144,7 @@ def _replicated(replicas: int, momentum: float | None) -> list[nn.Module]:
             share = range(replica * CHUNKS // replicas, (replica + 1) * CHUNKS // replicas)
             for c in share:
                 with updates.forward(7, c):
-                    loss = _loss(model, x.tensor_split(CHUNKS)[c], y.tensor_split(CHUNKS)[c])
+                    loss = _loss(model, x, y, c)
                 with updates.backward(7, c):
                     loss.backward()
             updates.reduce(7, share, params)
@@ -128,10 +164,11 @@ def _replicated(replicas: int, momentum: float | None) -> list[nn.Module]:
 
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_replicas_give_every_replica_the_one_device_gradients_and_statistics(replicas: int,
-                                                                             momentum: float | None) -> None:
-    reference = _one_device(momentum)
-    for model in _replicated(replicas, momentum):
+@pytest.mark.parametrize("kind", ["batch_norm", "elastic_batch_norm", "per_subnet_batch_norm"])
+def test_replicas_give_every_replica_the_one_device_gradients_and_statistics(replicas: int, momentum: float | None,
+                                                                             kind: str) -> None:
+    reference = _one_device(momentum, kind)
+    for model in _replicated(replicas, momentum, kind):
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
             assert q.grad is not None and torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
         for (name, b), c in zip(reference.named_buffers(), model.buffers()):
@@ -145,7 +182,7 @@ def test_summing_each_replicas_share_first_would_differ() -> None:
     x, y = _batch()
     for c in range(CHUNKS):
         model.zero_grad(set_to_none=True)
-        _loss(model, x.tensor_split(CHUNKS)[c], y.tensor_split(CHUNKS)[c]).backward()
+        _loss(model, x, y, c).backward()
         grads.append([p.grad for p in model.parameters()])
     one_device = [ordered_sum(parts) for parts in zip(*grads)]
     pairwise = [ordered_sum((ordered_sum(g[:2]), ordered_sum(g[2:]))) for g in zip(*grads)]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_naspipe.pipeline.clipping import UpdateClipping, clips, clips_by_norm
+from lightning_naspipe.pipeline.distillation import Teachers, wants_teacher
 from lightning_naspipe.pipeline.executor import StageExecutor, StageModule, Transport
 from lightning_naspipe.pipeline.window import Window
 from lightning_naspipe.pipeline.window_plan import WindowPlan, plan_window
@@ -141,10 +142,18 @@ class Engine:
         self.clip_norms = clip_norms
         self._clipping: UpdateClipping | None = None
         self.replicas = replicas
-        #: The micro-batches of each subnet this replica trains.
-        self.chunk_share = range(chunks) if replicas is None else range(
-            replicas.replica * chunks // count, (replicas.replica + 1) * chunks // count)
+        #: The micro-batches of each training step this replica trains (:meth:`chunk_share_of`; set per window).
+        self.chunk_share = self.chunk_share_of(1)
         self._replica_updates: ReplicaUpdates | None = None
+        self._teachers = Teachers(replicas)
+
+    def chunk_share_of(self, subnets: int) -> range:
+        """The micro-batches of a training step of ``subnets`` subnets that this replica trains: a contiguous
+        share of the step's ``subnets * chunks``, in the order their gradients accumulate (subnet by subnet)."""
+        if self.replicas is None:
+            return range(subnets * self.chunks)
+        share = subnets * self.chunks // self.replicas.replicas
+        return range(self.replicas.replica * share, (self.replicas.replica + 1) * share)
 
     def close(self) -> None:
         """Release the links to the other replicas and what the engine attached to the module (their
@@ -194,14 +203,16 @@ class Engine:
         following = self._window(module, upcoming, first_index + len(batches)) if upcoming and looks_ahead else None
         norms = len(self.stage_blocks) > 1 and (clips_by_norm(module) if self.clip_norms is None else self.clip_norms)
         subnets = {len(step) for step in window.steps + (following.steps if following is not None else [])}
-        if len(subnets) != 1 or (self.replicas is not None and subnets != {1}):
+        if len(subnets) != 1:
             raise NASPipeConfigError(
                 f"The training steps of one window train {sorted(subnets)} subnets each (sample_step): give every "
-                "step the same number" + ("; and with data-parallel replicas, one subnet per step (set num_stages to "
-                                          "the number of processes)" if self.replicas is not None else "") + ".")
+                "step the same number.")
+        count = subnets.pop()
+        self.chunk_share = self.chunk_share_of(count)
+        relays = self.replicas is not None and count > 1 and wants_teacher(module)  # see distillation.py
         return self.run_window(module, plan_window(supernet, window, self.stage_blocks, self.schedule,
-                                                   len(self.chunk_share) * subnets.pop(), self.memory_budget,
-                                                   following, done, norms))
+                                                   len(self.chunk_share), self.memory_budget, following, done,
+                                                   norms, chained_last=relays))
 
     def drop_lookahead(self) -> None:
         """Forget the forwards run ahead for a next window that did not come (e.g. the epoch ended)."""
@@ -213,6 +224,7 @@ class Engine:
             del self._stash[key]
         if self._replica_updates is not None:
             self._replica_updates.drop_from(first)
+        self._teachers.drop_from(first)
         if self.transport is not None:
             self.transport.drop_from(first)
 
@@ -354,7 +366,7 @@ class Engine:
                   ties: TieRoutes | None = None, updates: ReplicaUpdates | None = None) -> StageExecutor:
         return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
                              self.transport, telemetry, self._stash, defer_weight_grads, ties,
-                             self.chunk_share.start, updates)
+                             self.chunk_share.start, updates, self._teachers)
 
     def _updates(self, module: EngineModule) -> ReplicaUpdates | None:
         if self.replicas is not None and self._replica_updates is None:

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-import inspect
 import time
 from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
-from lightning_naspipe.transport.boundary import Gradients, backward_through, cut, device_of, leaf_grads, map_tensors
+from lightning_naspipe.transport.boundary import Gradients, backward_through, cut, device_of, leaf_grads
 from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.transport.torch_links import IdleWork
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.microbatch import Batch
 from lightning_naspipe.pipeline.sampling import keyed_rng
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.pipeline.distillation import Teachers, wants_teacher
 from lightning_naspipe.pipeline.replicas import ReplicaUpdates
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import BlockValue, Supernet, describe
@@ -146,6 +146,8 @@ class StageExecutor:
         chunk_offset: the first micro-batch this replica trains (:meth:`.Layout.chunk_share`): action chunk
             ``c`` is micro-batch ``chunk_offset + c`` of the subnet's batch.
         replicas: with several replicas per stage, this replica's part of their exact reduction.
+        teachers: where the last stage keeps each step's teacher outputs (in-place distillation); pass the same
+            one to the next window's executor, as ``stash``.
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class StageExecutor:
         ties: TieRoutes | None = None,
         chunk_offset: int = 0,
         replicas: ReplicaUpdates | None = None,
+        teachers: Teachers | None = None,
     ) -> None:
         if num_stages > 1 and transport is None:
             raise ValueError("a multi-stage executor needs a transport")
@@ -180,8 +183,7 @@ class StageExecutor:
         self.ties = ties
         self.chunk_offset = chunk_offset
         self.replicas = replicas
-        # The first subnet's detached output per (step, batch piece), for the step's later subnets (distillation).
-        self._teachers: dict[tuple[int, int], BlockValue] = {}
+        self._teachers = Teachers() if teachers is None else teachers
         self._teacher_parameter: bool | None = None
         #: Per backward, seconds from having its output gradients to sending its input gradients.
         self.seconds_to_send: list[float] = []
@@ -202,6 +204,8 @@ class StageExecutor:
                 self._backward(window, action.subnet, action.chunk)
             elif action.kind == UPDATE:
                 update(action.subnet)
+                index = window.first_index + action.subnet
+                self._teachers.drop_from(index, index)
             else:  # pragma: no cover - the scheduler only emits the three kinds
                 raise ValueError(f"unknown action {action}")
             if self.telemetry is not None:
@@ -274,12 +278,12 @@ class StageExecutor:
             token = _LOSS_CONTEXT.set((index, window.records))
             try:
                 if self._wants_teacher():  # in-place distillation: the step's first subnet teaches the others
-                    teacher = self._teachers.get((index, chunk)) if subnet else None
-                    if subnet == 0 and len(window.steps[k]) > 1:
-                        self._teachers[(index, chunk)] = map_tensors(lambda t: t.detach(), y)
+                    if len(window.steps[k]) > 1:
+                        self._teachers.relay(index, c, len(window.pieces[k]), self.chunk_offset)
+                        if subnet == 0:
+                            self._teachers.keep(index, chunk, y)
+                    teacher = self._teachers.teacher(index, chunk) if subnet else None
                     loss = self.module.compute_loss(y, piece, teacher=teacher)  # type: ignore[call-arg]
-                    if subnet == len(window.steps[k]) - 1:
-                        self._teachers.pop((index, chunk), None)
                 else:
                     loss = self.module.compute_loss(y, piece)
             finally:
@@ -342,9 +346,8 @@ class StageExecutor:
             deferred.run()
 
     def _wants_teacher(self) -> bool:
-        """Whether ``compute_loss`` takes a ``teacher`` (in-place distillation)."""
         if self._teacher_parameter is None:
-            self._teacher_parameter = "teacher" in inspect.signature(self.module.compute_loss).parameters
+            self._teacher_parameter = wants_teacher(self.module)
         return self._teacher_parameter
 
     def _capturing(self, k: int, block: int, contributions: list[Tensor | None], backward: Callable[[], _T]) -> _T:

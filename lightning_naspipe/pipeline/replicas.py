@@ -38,11 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm2d
 from lightning_naspipe.transport.failures import FailureBoard
 
 __all__ = ["ReplicaGroup", "ReplicaUpdates", "ordered_sum"]
 
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# Elastic ones update the running statistics of the leading channels their input has (see space/elastic.py).
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, ElasticBatchNorm1d, ElasticBatchNorm2d)
 
 
 class ReplicaGroup(Protocol):
@@ -119,14 +121,18 @@ class ReplicaUpdates:
         self._grads: dict[tuple[int, int], list[list[Tensor]]] = {}
         self._collecting: tuple[int, int] | None = None
         self._inputs: dict[tuple[int, int], list[tuple[nn.Module, Tensor]]] = {}
-        # Per subnet: the BatchNorm layers its forwards updated on this stage, in first-use order.
-        self._touched: dict[int, dict[int, nn.Module]] = {}
+        # The watched BatchNorm layers, and per subnet the positions of those its forwards updated on this replica.
+        self._layers = [m for m in supernet.modules() if isinstance(m, _BATCH_NORMS)]
+        self._position = {id(m): k for k, m in enumerate(self._layers)}
+        self._touched: dict[int, set[int]] = {}
+        # On a later replica, per (subnet, layer position): the layer's statistics before the subnet's forwards,
+        # which updated them as one device would not; the update replays them from there.
+        self._before: dict[tuple[int, int], list[Tensor]] = {}
         self._current: tuple[int, int] | None = None
         # Every other buffer must stay as it is: its order across replicas is not reproduced.
         self._others = [(f"{name}.{n}".lstrip("."), b) for name, m in supernet.named_modules()
                         if not isinstance(m, _BATCH_NORMS) for n, b in m.named_buffers(recurse=False)]
-        self._hooks = [m.register_forward_pre_hook(_Hook(self)) for m in supernet.modules()
-                       if isinstance(m, _BATCH_NORMS)]
+        self._hooks = [m.register_forward_pre_hook(_Hook(self)) for m in self._layers]
 
     def close(self) -> None:
         """Remove the BatchNorm hooks."""
@@ -182,37 +188,53 @@ class ReplicaUpdates:
 
     def reduce(self, index: int, chunks: range, params: Sequence[Tensor]) -> None:
         """Before subnet ``index``'s update: give ``params`` the one-device gradient and this stage's BatchNorm
-        layers the one-device running statistics, on every replica. ``chunks``: this replica's micro-batches."""
-        group, layers = self.group, list(self._touched.pop(index, {}).values())
+        layers the one-device running statistics, on every replica. ``chunks``: this replica's micro-batches.
+
+        The subnets of a training step may differ across its replicas' shares, and so the BatchNorm layers each
+        replica's forwards updated: a message names the layers whose statistics it carries, every one that this
+        replica or one before it updated."""
+        group, touched = self.group, self._touched.pop(index, set())
         self.params.pop(index, None)
-        statistics = [b for m in layers for b in m.buffers(recurse=False)]
         last = group.replica == group.replicas - 1
         if group.replica == 0:
             grads: list[Tensor | None] = [p.grad for p in params]
         else:
-            grads, buffers = _unpacked(group.recv_previous(), params, statistics)
+            received = group.recv_previous()
+            before = received[-1].tolist()
+            grads, buffers = _unpacked(received[:-1], params, self._statistics(before))
             for chunk in chunks:
                 own = self._grads.pop((index, chunk), [[] for _ in params])
                 grads = [ordered_sum((total, *parts)) for total, parts in zip(grads, own)]
-            _load(statistics, buffers)
+            for k in touched:
+                _load(self._statistics([k]), self._before.pop((index, k)))
+            _load(self._statistics(before), buffers)
             for chunk in chunks:
                 for layer, batch in self._inputs.pop((index, chunk), []):
                     _replay(layer, batch)
-        message = _packed(grads, params, statistics)  # copied out as it is sent: the values of now
+            touched.update(before)
+        layers = sorted(touched)
+        # copied out as it is sent: the values of now
+        message = (*_packed(grads, params, self._statistics(layers)), torch.tensor(layers, dtype=torch.long))
         if not last:
             group.send_next(message)
-            grads, buffers = _unpacked(group.from_last(None), params, statistics)
+            message = group.from_last(None)
+            layers = message[-1].tolist()
+            grads, buffers = _unpacked(message[:-1], params, self._statistics(layers))
             for p, grad in zip(params, grads):
                 p.grad = None if grad is None else grad.to(p.device)
-            _load(statistics, buffers)
+            _load(self._statistics(layers), buffers)
         else:
             group.from_last(message)
             for p, grad in zip(params, grads):
                 p.grad = grad
 
+    def _statistics(self, layers: Sequence[int]) -> list[Tensor]:
+        """The buffers of the watched BatchNorm layers at positions ``layers``, in that order."""
+        return [b for k in layers for b in self._layers[k].buffers(recurse=False)]
+
     def drop_from(self, index: int) -> None:
         """Forget what forwards of subnets ``index`` and later kept (a lookahead that did not come)."""
-        for kept in (self._grads, self._inputs):
+        for kept in (self._grads, self._inputs, self._before):
             for key in [key for key in kept if key[0] >= index]:
                 del kept[key]
         for by_subnet in (self._touched, self.params):
@@ -224,7 +246,10 @@ class ReplicaUpdates:
         current = self._current
         if current is None or not module.training or not getattr(module, "track_running_stats", False):
             return
-        self._touched.setdefault(current[0], {}).setdefault(id(module), module)
+        touched, position = self._touched.setdefault(current[0], set()), self._position[id(module)]
+        if self.group.replica > 0 and position not in touched:
+            self._before[(current[0], position)] = [b.detach().clone() for b in module.buffers(recurse=False)]
+        touched.add(position)
         if self.group.replica > 0:
             self._inputs.setdefault(current, []).append((module, args[0].detach()))
 
@@ -291,10 +316,12 @@ def _load(statistics: Sequence[Tensor], values: Sequence[Tensor]) -> None:
 
 def _replay(layer: Any, batch: Tensor) -> None:
     """The running-statistics update a training forward of ``layer`` on ``batch`` makes (as ``_BatchNorm.forward``
-    computes its factor), with the kernel the forward uses."""
+    computes its factor), with the kernel the forward uses; an elastic layer's, on the leading channels ``batch``
+    has (views, updated in place as its forward updates them)."""
     factor = 0.0 if layer.momentum is None else layer.momentum
     if layer.num_batches_tracked is not None:
         layer.num_batches_tracked.add_(1)
         if layer.momentum is None:
             factor = 1.0 / float(layer.num_batches_tracked)
-    torch.batch_norm_update_stats(batch, layer.running_mean, layer.running_var, factor)
+    channels = batch.shape[1]
+    torch.batch_norm_update_stats(batch, layer.running_mean[:channels], layer.running_var[:channels], factor)

@@ -72,11 +72,14 @@ def _exchange_cost(stage: int, action: Action) -> int:
 
 def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range], schedule_mode: str, chunks: int,
                 memory_budget: tuple[int, Sequence[dict[Any, int]]] | None = None, upcoming: Window | None = None,
-                done: frozenset[tuple[int, Action]] = frozenset(), norms: bool = False) -> WindowPlan:
+                done: frozenset[tuple[int, Action]] = frozenset(), norms: bool = False,
+                chained_last: bool = False) -> WindowPlan:
     """Plan ``window``: each subnet's resources per stage and the schedule (pure: no processes, no
     tensors touched). ``memory_budget`` as for :class:`Engine`. With ``upcoming`` (the next window) or
     ``done`` (this window's forwards run ahead), plan with lookahead (``"csp"`` only, no budget).
-    ``norms``: updates exchange gradient norms (global-norm clipping, see :mod:`.grad_norm`)."""
+    ``norms``: updates exchange gradient norms (global-norm clipping, see :mod:`.grad_norm`).
+    ``chained_last``: on the last stage every step waits for the update of the one before, whatever they share
+    (the replicas' teacher relay, :mod:`.distillation`, needs a step's forwards there without an update between)."""
     size = len(window.architectures)
     if upcoming is not None or done:
         if schedule_mode != "csp" or memory_budget is not None:
@@ -94,12 +97,24 @@ def plan_window(supernet: Supernet, window: Window, stage_blocks: Sequence[range
         def may_run_early(subnet: int, stage: int) -> bool:  # a forward may change buffers (BatchNorm)
             return not any(supernet.resource_state(r).buffers for r in resources[subnet][stage])
 
-        step = plan_step(resources, size, chunks, done, may_run_early, norms, _exchange_cost if norms else None)
+        step = plan_step(_chained_last(resources, chained_last), size, chunks, done, may_run_early, norms,
+                         _exchange_cost if norms else None)
         return WindowPlan(window, resources, step.schedule, schedule_mode, size, step.carried)
     planned = scheduling_resources(schedule_mode, resources)
     if memory_budget is not None:
         budget, sizes = memory_budget
         by_stage = [memory_conflicts([r[s] for r in planned], sizes[s], budget) for s in range(len(sizes))]
         planned = [[by_stage[s][k] for s in range(len(sizes))] for k in range(len(planned))]
-    schedule = build_schedule(planned, chunks, _exchange_cost if norms else None, norms=norms)
+    schedule = build_schedule(_chained_last(planned, chained_last), chunks, _exchange_cost if norms else None,
+                              norms=norms)
     return WindowPlan(window, resources, schedule, schedule_mode, size)
+
+
+_CHAIN = "the last stage's chain of steps"
+
+
+def _chained_last(resources: Sequence[Sequence[frozenset[Any]]], chained: bool) -> Sequence[Sequence[frozenset[Any]]]:
+    """``resources``; ``chained``: with one key every step holds on the last stage (for the schedule only: updates
+    step the real ones)."""
+    return [[*row[:-1], row[-1] | {_CHAIN}] for row in resources] if chained else resources
+
