@@ -74,3 +74,12 @@ def test_a_recipe_on_replicas_equals_the_plain_trainer(tmp_path: Path, plain: Ca
     ckpt = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--window", "4", "--chunks", "2",
                    LNP_TEST_RECIPE=recipe, LNP_TEST_SPACE=space)
     assert_same_state(plain(recipe, 2, space), _state(ckpt))
+
+
+def test_sandwich_on_two_by_two_resumes_onto_replicas_alone(tmp_path: Path,
+                                                           plain: Callable[[str, int, str], dict[str, Any]]) -> None:
+    stop = _launch(tmp_path, "--devices", "4", "--num-stages", "2", "--window", "4", "--chunks", "2",
+                   "--max-steps", "10", name="stop", LNP_TEST_RECIPE="sandwich", LNP_TEST_SPACE="elastic")
+    resumed = _launch(tmp_path, "--devices", "2", "--num-stages", "1", "--window", "8", "--chunks", "2",
+                      "--resume", str(stop), name="resumed", LNP_TEST_RECIPE="sandwich", LNP_TEST_SPACE="elastic")
+    assert_same_state(plain("sandwich", 2, "elastic"), _state(resumed))
