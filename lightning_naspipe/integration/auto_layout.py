@@ -40,8 +40,8 @@ class Overheads(TypedDict):
 #: The run overheads ``benchmarks/overhead_harness.py`` calibrated on a 2-core CPU host (``docs/planner.md``);
 #: ``message_ms_per_mb`` from the replicas' updates of ``benchmarks/layouts.py``'s wide_mlp (8 MB of gradients
 #: per update cost 2 x 2 replicas ~16 ms there).
-CPU_OVERHEADS = Overheads(subnet_overhead_ms=0.97, step_overhead_ms=0.39, message_cpu_ms=0.52, message_ms=0.54,
-                          sync_ms=1.24, message_ms_per_mb=1.0)
+CPU_OVERHEADS = Overheads(subnet_overhead_ms=0.22, step_overhead_ms=0.32, message_cpu_ms=0.12, message_ms=0.015,
+                          sync_ms=0.38, message_ms_per_mb=1.0)
 
 
 def chosen_stages(supernet: Supernet, example: BlockValue, processes: int, chunks: int, window: int,
