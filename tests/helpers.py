@@ -17,7 +17,8 @@ import lightning_naspipe as lnp
 FEATURES = 6
 CLASSES = 3
 #: The step samplers LNP_TEST_RECIPE selects.
-RECIPES: dict[str, Any] = {"sandwich": lambda: lnp.Sandwich(1), "fairnas": lnp.FairNAS,
+RECIPES: dict[str, Any] = {"sandwich": lambda: lnp.Sandwich(1), "sandwich4": lambda: lnp.Sandwich(2),
+                           "fairnas": lnp.FairNAS,
                            "constrained": lambda: lnp.Constrained(max_params=200, num_subnets=2)}
 
 #: The Lightning namespace the tests use by default; the subprocess runners (pipeline_run.py) take

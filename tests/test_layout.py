@@ -42,3 +42,21 @@ def test_chunks_must_be_a_multiple_of_the_replicas() -> None:
     layout.check_chunks(4)
     with pytest.raises(NASPipeConfigError, match=r"chunks=3\) with 2 replicas.*multiple of 2, e\.g\. \[2, 4, 6\]"):
         layout.chunk_share(3, 0)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 5))
+def test_a_step_of_several_subnets_is_shared_subnet_by_subnet(replicas: int, chunks: int, subnets: int) -> None:
+    layout = Layout.of(2 * replicas, 2)
+    if chunks * subnets % replicas:
+        steps = rf" x {subnets} subnets per training step" if subnets > 1 else ""
+        with pytest.raises(NASPipeConfigError, match=rf"chunks={chunks}\){steps} with {replicas} replicas"):
+            layout.chunk_share(chunks, 0, subnets)
+        return
+    shares = [layout.chunk_share(chunks, r, subnets) for r in range(replicas)]
+    assert [m for share in shares for m in share] == list(range(chunks * subnets))
+
+
+def test_four_subnets_per_step_share_one_chunk_on_two_replicas() -> None:
+    assert Layout.of(2, 1).chunk_share(1, 1, 4) == range(2, 4)
+    with pytest.raises(NASPipeConfigError, match="or train a multiple of 2 subnets per step"):
+        Layout.of(2, 1).check_chunks(1, 3)

@@ -11,6 +11,8 @@ weights, BatchNorm over elastic channels).
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,7 +20,7 @@ import pytest
 
 import lightning_naspipe as lnp
 from helpers import assert_same_state
-from test_pipeline import _launch, _plain_state, _state
+from test_pipeline import SCRIPT, _env, _launch, _plain_state, _state
 
 pytestmark = pytest.mark.slow
 
@@ -83,3 +85,21 @@ def test_sandwich_on_two_by_two_resumes_onto_replicas_alone(tmp_path: Path,
     resumed = _launch(tmp_path, "--devices", "2", "--num-stages", "1", "--window", "8", "--chunks", "2",
                       "--resume", str(stop), name="resumed", LNP_TEST_RECIPE="sandwich", LNP_TEST_SPACE="elastic")
     assert_same_state(plain("sandwich", 2, "elastic"), _state(resumed))
+
+
+@pytest.mark.parametrize("devices, stages", [(2, 1), (4, 2)])
+def test_four_subnets_per_step_share_chunks_1_on_two_replicas(tmp_path: Path,
+                                                             plain: Callable[[str, int, str], dict[str, Any]],
+                                                             devices: int, stages: int) -> None:
+    """``Sandwich(2)`` at the default ``chunks=1``: each of 2 replicas trains 2 whole subnets of every step."""
+    ckpt = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--window", "4",
+                   LNP_TEST_RECIPE="sandwich4", LNP_TEST_SPACE="elastic")
+    assert_same_state(plain("sandwich4", 1, "elastic"), _state(ckpt))
+
+
+def test_a_step_the_replicas_cannot_share_is_refused(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "bad.ckpt"), "--devices", "2",
+                           "--num-stages", "1"], env={**_env(), "LNP_TEST_RECIPE": "sandwich"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "NASPipeStrategy(chunks=1) x 3 subnets per training step with 2 replicas" in proc.stderr, proc.stderr[-3000:]

@@ -75,8 +75,9 @@ class NASPipeStrategy(PipelineBuilding):
         num_stages: pipeline stages; the processes (devices x nodes) run ``processes / num_stages``
             data-parallel replicas of the pipeline (so it must divide them; default: one stage per process,
             one replica). Ranks are stage-major: a stage's replicas are neighbouring ranks. Each replica trains
-            a contiguous share of every batch's ``chunks`` micro-batches (so ``chunks`` must be a multiple of
-            the replicas), and the replicas sum their gradients in micro-batch order: results never depend
+            a contiguous share of every training step's micro-batches (``chunks`` per subnet, so ``chunks`` times
+            the subnets per step must be a multiple of the replicas; refused at the first training window
+            otherwise), and the replicas sum their gradients in micro-batch order: results never depend
             on the layout. ``"auto"``: the layout the planner predicts fastest, chosen on the first training
             batch (rank 0 profiles the supernet on it, ~1-10 s; logged): the run starts with one stage per
             process and, if another layout wins, makes every rank whole and rebuilds the pipeline before the
@@ -209,7 +210,6 @@ class NASPipeStrategy(PipelineBuilding):
         if self.num_stages == "auto":  # one stage per process until the first training batch chooses
             self._stages = None
         self._choose_layout = self.num_stages == "auto" and self.world_size > 1 and trainer.training
-        self.layout.check_chunks(self.chunks)
         weights = None
         if self.balance is None and example is not None and self.world_size > 1:
             weights = self._timed_weights(example)

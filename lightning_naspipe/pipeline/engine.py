@@ -25,6 +25,7 @@ from lightning_naspipe.pipeline.executor import StageExecutor, StageModule, Tran
 from lightning_naspipe.pipeline.window import Window
 from lightning_naspipe.pipeline.window_plan import WindowPlan, plan_window
 from lightning_naspipe.pipeline.grad_norm import NormExchange
+from lightning_naspipe.pipeline.layout import Layout
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.microbatch import Batch, split_batch
 from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
@@ -112,9 +113,6 @@ class Engine:
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-        count = replicas.replicas if replicas is not None else 1
-        if chunks % count:
-            raise ValueError(f"chunks={chunks} is not a multiple of the {count} replicas")
         self.stage_blocks = list(stage_blocks)
         self.stage = stage
         self.chunks = chunks
@@ -142,18 +140,19 @@ class Engine:
         self.clip_norms = clip_norms
         self._clipping: UpdateClipping | None = None
         self.replicas = replicas
-        #: The micro-batches of each training step this replica trains (:meth:`chunk_share_of`; set per window).
-        self.chunk_share = self.chunk_share_of(1)
+        #: The micro-batches of each training step this replica trains (:meth:`chunk_share_of`): set by each
+        #: training window, once its steps' subnets are known (evaluation forwards use none).
+        self.chunk_share = range(0)
         self._replica_updates: ReplicaUpdates | None = None
         self._teachers = Teachers(replicas)
 
     def chunk_share_of(self, subnets: int) -> range:
-        """The micro-batches of a training step of ``subnets`` subnets that this replica trains: a contiguous
-        share of the step's ``subnets * chunks``, in the order their gradients accumulate (subnet by subnet)."""
+        """The micro-batches of a training step of ``subnets`` subnets that this replica trains
+        (:meth:`.Layout.chunk_share`)."""
         if self.replicas is None:
             return range(subnets * self.chunks)
-        share = subnets * self.chunks // self.replicas.replicas
-        return range(self.replicas.replica * share, (self.replicas.replica + 1) * share)
+        layout = Layout(len(self.stage_blocks), self.replicas.replicas)
+        return layout.chunk_share(self.chunks, self.replicas.replica, subnets)
 
     def close(self) -> None:
         """Release the links to the other replicas and what the engine attached to the module (their

@@ -76,23 +76,27 @@ class Layout:
         replica = f" replica {self.replica_of(rank)}" if self.replicas > 1 else ""
         return f"stage {self.stage_of(rank)}{replica} (rank {rank})"
 
-    def check_chunks(self, chunks: int) -> None:
-        """Refuse ``chunks`` the replicas cannot share evenly.
+    def check_chunks(self, chunks: int, subnets: int = 1) -> None:
+        """Refuse ``chunks`` the replicas cannot share evenly in training steps of ``subnets`` subnets.
 
         Raises:
-            NASPipeConfigError: ``chunks`` is not a multiple of :attr:`replicas`.
+            NASPipeConfigError: ``chunks * subnets`` is not a multiple of :attr:`replicas`.
         """
-        if chunks % self.replicas:
+        if chunks * subnets % self.replicas:
             multiples = [self.replicas * k for k in range(1, 4)]
+            steps = f" x {subnets} subnets per training step" if subnets > 1 else ""
             raise NASPipeConfigError(
-                f"NASPipeStrategy(chunks={chunks}) with {self.replicas} replicas per stage ({self.stages} stages x "
-                f"{self.replicas} replicas = {self.world_size} processes): each replica trains an equal, contiguous "
-                f"share of every batch's micro-batches, so chunks must be a multiple of {self.replicas}, e.g. "
-                f"{multiples}; or set num_stages={self.world_size} for one replica."
+                f"NASPipeStrategy(chunks={chunks}){steps} with {self.replicas} replicas per stage ({self.stages} "
+                f"stages x {self.replicas} replicas = {self.world_size} processes): each replica trains an equal, "
+                f"contiguous share of every training step's micro-batches, so chunks must be a multiple of "
+                f"{self.replicas}, e.g. {multiples}" + (f" (or train a multiple of {self.replicas} subnets per step)"
+                                                       if subnets > 1 else "")
+                + f"; or set num_stages={self.world_size} for one replica."
             )
 
-    def chunk_share(self, chunks: int, replica: int) -> range:
-        """The micro-batches of each batch that ``replica`` trains: a contiguous share, in order."""
-        self.check_chunks(chunks)
-        share = chunks // self.replicas
+    def chunk_share(self, chunks: int, replica: int, subnets: int = 1) -> range:
+        """The micro-batches of each training step that ``replica`` trains: a contiguous share, in order (a step of
+        ``subnets`` subnets has ``subnets * chunks``, subnet by subnet, in the order their gradients accumulate)."""
+        self.check_chunks(chunks, subnets)
+        share = chunks * subnets // self.replicas
         return range(replica * share, (replica + 1) * share)
