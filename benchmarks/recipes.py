@@ -1,5 +1,6 @@
 """Several subnets per step with default settings: the sandwich rule (k = 4: largest, smallest, 2 uniform) on an
-elastic space and on a candidate-op space, 1 device against ``NASPipeStrategy()`` on 2 stages, side by side.
+elastic space and on a candidate-op space, 1 device against ``NASPipeStrategy()`` on 2 stages and against
+``NASPipeStrategy(num_stages=1)`` on 2 processes (2 replicas, each training 2 of a step's 4 subnets), side by side.
 
 - ``ofa``: ``examples/ofa_digits.py``'s elastic MobileNet (elastic depth, expansion and kernel) on digits, with
   in-place distillation;
@@ -25,7 +26,7 @@ from zoo_spaces import space
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-BASE, STAGES = "1 device", "2 stages"
+BASE, STAGES, REPLICAS = "1 device", "2 stages", "2 replicas"
 SPACES = ("ofa", "mobilenet")
 
 
@@ -54,14 +55,14 @@ def _digit_sized(steps: int, batch: int) -> Any:
 
 def worker(cfg: dict[str, Any]) -> None:
     module, data, _, _ = build(cfg["space"], cfg["quick"])
-    strategy = lnp.NASPipeStrategy() if cfg["processes"] > 1 else "auto"
+    strategy = lnp.NASPipeStrategy(num_stages=cfg.get("num_stages")) if cfg["processes"] > 1 else "auto"
     fit_timed(module, data, cfg, strategy, cfg["processes"])
 
 
 def run(config: str, name: str, quick: bool) -> Any:
     _, _, batch, steps = build(name, quick)
-    cfg = {"space": name, "quick": quick, "processes": 2 if config == STAGES else 1, "subnets": steps,
-           "warmup": 8, "batch": batch}
+    cfg = {"space": name, "quick": quick, "processes": 1 if config == BASE else 2, "subnets": steps,
+           "warmup": 8, "batch": batch, "num_stages": 1 if config == REPLICAS else None}
     return launch(__file__, cfg)
 
 
@@ -72,12 +73,15 @@ def main() -> None:
     args = parser.parse_args()
     if ran_as_worker(args, worker):
         return
-    rounds = rotated_rounds((BASE, STAGES), list(SPACES), args.repeats, lambda c, s: run(c, s, args.quick))
+    rounds = rotated_rounds((BASE, STAGES, REPLICAS), list(SPACES), args.repeats, lambda c, s: run(c, s, args.quick))
     print(f"\n{machine()}; sandwich k=4, default settings; medians over {args.repeats} round(s)")
     for name, results in rounds.items():
-        ratios = [ratio(r[STAGES], r[BASE]) for r in results]
+        cells = []
+        for config in (STAGES, REPLICAS):
+            ratios = [ratio(r[config], r[BASE]) for r in results]
+            cells.append(f"{config} {statistics.median(ratios):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
         print(f"{name:<12} 1 device {statistics.median(rate(r[BASE]) for r in results):6.2f} steps/s, "
-              f"2 stages {statistics.median(ratios):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+              + ", ".join(cells))
 
 
 if __name__ == "__main__":
