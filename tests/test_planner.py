@@ -167,6 +167,20 @@ def test_replicas_share_the_compute_of_a_space_stages_cannot_overlap() -> None:
     assert simulate(costly, 1, 8, chunks=2, replicas=2).subnets_per_s < 0.8 * layouts["1x2"].subnets_per_s
 
 
+def test_steps_of_several_subnets_open_layouts_and_count_steps() -> None:
+    """``Sandwich(2)`` (4 subnets per step) at ``chunks=1``: 2 replicas share each step's 4 micro-batches, a
+    layout that one subnet per step leaves out; a step costs 4 subnets' compute, so the rates count steps."""
+    spec = mixed_spec()
+    assert [p.layout for p in plan_layouts(spec, 2, 8, chunks=1)] == ["2x1"]
+    steps = {p.layout: p for p in plan_layouts(spec, 2, 8, chunks=1, subnets=4)}
+    assert list(steps) == ["1x2", "2x1"]
+    assert [p.layout for p in plan_layouts(spec, 4, 8, chunks=1, subnets=3)] == ["4x1"]  # 3 micro-batches: no pairs
+    one = simulate(spec, 1, 8, chunks=1).subnets_per_s
+    alone = plan_layouts(spec, 1, 8, chunks=1, subnets=4)[0].subnets_per_s
+    assert alone == pytest.approx(one / 4, rel=0.25)  # one update per step instead of four
+    assert alone < one / 3
+
+
 def test_cli_predicts_every_layout_and_names_the_best() -> None:
     done = subprocess.run([sys.executable, "-m", "lightning_naspipe", "plan", "--wide", "8", "--processes", "4",
                            "--chunks", "4"], capture_output=True, text=True, timeout=120, check=True)

@@ -97,6 +97,15 @@ def test_four_subnets_per_step_share_chunks_1_on_two_replicas(tmp_path: Path,
     assert_same_state(plain("sandwich4", 1, "elastic"), _state(ckpt))
 
 
+def test_auto_layout_plans_steps_of_four_subnets_on_replicas_too(
+        tmp_path: Path, plain: Callable[[str, int, str], dict[str, Any]]) -> None:
+    """At chunks 1 only the subnets of a step make 2 replicas possible: the planner weighs that layout too."""
+    stderr = _launch(tmp_path, "--devices", "2", "--num-stages", "auto", "--window", "4", keep_stderr=True,
+                     LNP_TEST_RECIPE="sandwich4", LNP_TEST_SPACE="elastic")
+    assert "predicted training steps/s (4 subnets each) per stages x replicas: 1 x 2:" in stderr, stderr[-3000:]
+    assert_same_state(plain("sandwich4", 1, "elastic"), _state(tmp_path / "run.ckpt"))
+
+
 def test_a_step_the_replicas_cannot_share_is_refused(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "bad.ckpt"), "--devices", "2",
                            "--num-stages", "1"], env={**_env(), "LNP_TEST_RECIPE": "sandwich"}, cwd=tmp_path,

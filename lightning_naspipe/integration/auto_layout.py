@@ -3,7 +3,8 @@
 Results never depend on the layout (see ``docs/design.md``, "Stages x replicas"), so the choice is free.
 Rank 0 profiles the supernet on the first training batch (each block's candidates timed forward and
 backward, :func:`~lightning_naspipe.planning.profile.profile_supernet`), the planner simulates every layout of
-the processes that leaves ``chunks`` a multiple of the replicas (:func:`~.planner.plan_layouts`), and every
+the processes that leaves a training step's ``subnets * chunks`` micro-batches a multiple of the replicas
+(:func:`~.planner.plan_layouts`), and every
 rank takes rank 0's choice. The run's overheads (messages, Lightning's per-window work) are not measured
 then: the planner takes the medians calibrated on a 2-core CPU host (``docs/planner.md``), or none on CUDA.
 """
@@ -45,9 +46,11 @@ CPU_OVERHEADS = Overheads(subnet_overhead_ms=0.22, step_overhead_ms=0.32, messag
 
 
 def chosen_stages(supernet: Supernet, example: BlockValue, processes: int, chunks: int, window: int,
-                  is_global_zero: bool, broadcast: Callable[[Any], Any], device: torch.device) -> tuple[int, str]:
+                  is_global_zero: bool, broadcast: Callable[[Any], Any], device: torch.device,
+                  subnets: int = 1) -> tuple[int, str]:
     """The number of stages for ``processes`` (the rest replicas), chosen on rank 0 and ``broadcast`` to every
-    rank (collective), and a line for the log naming every layout's predicted rate."""
+    rank (collective), and a line for the log naming every layout's predicted rate. ``subnets``: per training
+    step (replicas share a step's ``subnets * chunks`` micro-batches, so more layouts fit)."""
     choice: tuple[int, str] | None = None
     if is_global_zero:
         whole = copy.deepcopy(supernet)  # with every block, on this rank's device
@@ -56,11 +59,12 @@ def chosen_stages(supernet: Supernet, example: BlockValue, processes: int, chunk
                                 engine_seconds=0)
         if device.type == "cpu":
             spec = dataclasses.replace(spec, **CPU_OVERHEADS)
-        predictions = plan_layouts(spec, processes, window, chunks)
+        predictions = plan_layouts(spec, processes, window, chunks, subnets=subnets)
         best = best_layout(predictions)
         rates = ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}" for p in predictions)
+        unit = "subnets/s" if subnets == 1 else f"training steps/s ({subnets} subnets each)"
         choice = (best.stages, f"NASPipe: num_stages='auto' chose {best.stages} stage(s) x {best.replicas} "
-                               f"replica(s); predicted subnets/s per stages x replicas: {rates}")
+                               f"replica(s); predicted {unit} per stages x replicas: {rates}")
     stages, message = broadcast(choice)
     return int(stages), str(message)
 

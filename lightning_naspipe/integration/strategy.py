@@ -81,7 +81,8 @@ class NASPipeStrategy(PipelineBuilding):
             on the layout. ``"auto"``: the layout the planner predicts fastest, chosen on the first training
             batch (rank 0 profiles the supernet on it, ~1-10 s; logged): the run starts with one stage per
             process and, if another layout wins, makes every rank whole and rebuilds the pipeline before the
-            first window trains. Only layouts that leave ``chunks`` a multiple of the replicas are considered.
+            first window trains. Only layouts that leave a training step's ``subnets * chunks`` a multiple of
+            the replicas are considered.
         balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
             and backward time on one micro-batch, measured on every rank at once and averaged, on the
             module's ``supernet_example_input`` when it sets one, else on the first training batch
@@ -272,10 +273,12 @@ class NASPipeStrategy(PipelineBuilding):
                                 "the layout choice, the split's timing or a rebalancing check"):
             if self._choose_layout:
                 self._choose_layout = False
-                example = cast(Any, self.lightning_module).pipeline_input(batch[0])
-                stages, message = chosen_stages(supernet_of(self.lightning_module), example, self.world_size,
-                                                self.chunks, self.window, self.is_global_zero, self.broadcast,
-                                                self.root_device)
+                module = cast(Any, self.lightning_module)
+                example = module.pipeline_input(batch[0])
+                subnets = len(module.sample_step(module.global_step))  # every step of a run trains as many
+                stages, message = chosen_stages(supernet_of(module), example, self.world_size, self.chunks,
+                                                self.window, self.is_global_zero, self.broadcast, self.root_device,
+                                                subnets)
                 self._info(message)
                 self._switch_layout(stages)
             if self._time_first_batch:

@@ -264,13 +264,31 @@ def plan(spec: SpaceSpec, stages_list: Iterable[int] = (1, 2, 4, 8, 16, 32, 64),
 
 
 def plan_layouts(spec: SpaceSpec, processes: int, window: int = 16, chunks: int = 1, schedule: str = "csp",
-                 **kwargs: Any) -> list[Prediction]:
+                 subnets: int = 1, **kwargs: Any) -> list[Prediction]:
     """:func:`simulate` for every layout of ``processes``: ``S`` stages x ``D = processes / S`` replicas, for each
-    ``S`` that divides ``processes``, fits the space (at most one stage per block) and leaves ``chunks`` a
-    multiple of ``D``; by increasing ``S``."""
+    ``S`` that divides ``processes``, fits the space (at most one stage per block) and leaves ``subnets * chunks`` a
+    multiple of ``D``; by increasing ``S``. With ``subnets`` per training step (the recipes of
+    :mod:`..pipeline.step_sampling`), a step is modelled as one subnet of ``subnets`` times a subnet's compute in
+    ``subnets * chunks`` micro-batches and one update (:func:`_steps_of`), and the rates count steps."""
+    if subnets > 1:
+        spec, chunks = _steps_of(spec, subnets), chunks * subnets
     layouts = [(s, processes // s) for s in range(1, processes + 1)
                if processes % s == 0 and s <= len(spec.blocks) and chunks % (processes // s) == 0]
     return [simulate(spec, s, window, chunks, schedule, replicas=d, **kwargs) for s, d in layouts]
+
+
+def _steps_of(spec: SpaceSpec, subnets: int) -> SpaceSpec:
+    """``spec`` with every candidate's compute ``subnets`` times its own: a training step of ``subnets`` subnets as
+    the planner sees it (their micro-batches flow like one subnet's, and the step updates once). The subnets of a
+    step differ, so this is the mean step of uniformly sampled subnets, not of a given sampler's."""
+    def times(ms: float | None) -> float | None:
+        return None if ms is None else ms * subnets
+
+    blocks = [BlockSpec(b.label, [replace(c, forward_ms=c.forward_ms * subnets, backward_ms=c.backward_ms * subnets,
+                                          input_backward_ms=times(c.input_backward_ms),
+                                          weight_backward_ms=times(c.weight_backward_ms)) for c in b.candidates])
+              for b in spec.blocks]
+    return replace(spec, blocks=blocks)
 
 
 def best_layout(predictions: Sequence[Prediction]) -> Prediction:
