@@ -172,11 +172,12 @@ def test_steps_of_several_subnets_open_layouts_and_count_steps() -> None:
     layout that one subnet per step leaves out; a step costs 4 subnets' compute, so the rates count steps."""
     spec = mixed_spec()
     assert [p.layout for p in plan_layouts(spec, 2, 8, chunks=1)] == ["2x1"]
-    steps = {p.layout: p for p in plan_layouts(spec, 2, 8, chunks=1, subnets=4)}
+    steps = {p.layout: p for p in plan_layouts(spec, 2, 8, chunks=1, subnets_per_step=4)}
     assert list(steps) == ["1x2", "2x1"]
-    assert [p.layout for p in plan_layouts(spec, 4, 8, chunks=1, subnets=3)] == ["4x1"]  # 3 micro-batches: no pairs
+    # 3 micro-batches per step: no 2 or 4 replicas share them
+    assert [p.layout for p in plan_layouts(spec, 4, 8, chunks=1, subnets_per_step=3)] == ["4x1"]
     one = simulate(spec, 1, 8, chunks=1).subnets_per_s
-    alone = plan_layouts(spec, 1, 8, chunks=1, subnets=4)[0].subnets_per_s
+    alone = plan_layouts(spec, 1, 8, chunks=1, subnets_per_step=4)[0].subnets_per_s
     assert alone == pytest.approx(one / 4, rel=0.25)  # one update per step instead of four
     assert alone < one / 3
 

@@ -59,7 +59,7 @@ def chosen_stages(supernet: Supernet, example: BlockValue, processes: int, chunk
                                 engine_seconds=0)
         if device.type == "cpu":
             spec = dataclasses.replace(spec, **CPU_OVERHEADS)
-        predictions = plan_layouts(spec, processes, window, chunks, subnets=subnets)
+        predictions = plan_layouts(spec, processes, window, chunks, subnets_per_step=subnets)
         best = best_layout(predictions)
         rates = ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}" for p in predictions)
         unit = "subnets/s" if subnets == 1 else f"training steps/s ({subnets} subnets each)"

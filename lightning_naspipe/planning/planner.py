@@ -264,14 +264,15 @@ def plan(spec: SpaceSpec, stages_list: Iterable[int] = (1, 2, 4, 8, 16, 32, 64),
 
 
 def plan_layouts(spec: SpaceSpec, processes: int, window: int = 16, chunks: int = 1, schedule: str = "csp",
-                 subnets: int = 1, **kwargs: Any) -> list[Prediction]:
+                 subnets_per_step: int = 1, **kwargs: Any) -> list[Prediction]:
     """:func:`simulate` for every layout of ``processes``: ``S`` stages x ``D = processes / S`` replicas, for each
-    ``S`` that divides ``processes``, fits the space (at most one stage per block) and leaves ``subnets * chunks`` a
-    multiple of ``D``; by increasing ``S``. With ``subnets`` per training step (the recipes of
-    :mod:`..pipeline.step_sampling`), a step is modelled as one subnet of ``subnets`` times a subnet's compute in
-    ``subnets * chunks`` micro-batches and one update (:func:`_steps_of`), and the rates count steps."""
-    if subnets > 1:
-        spec, chunks = _steps_of(spec, subnets), chunks * subnets
+    ``S`` that divides ``processes``, fits the space (at most one stage per block) and leaves a step's
+    ``subnets_per_step * chunks`` micro-batches a multiple of ``D``; by increasing ``S``. With several subnets per
+    training step (the recipes of :mod:`..pipeline.step_sampling`), a step is modelled as one subnet of that many
+    times a subnet's compute in ``subnets_per_step * chunks`` micro-batches and one update (:func:`_steps_of`), and
+    the rates count steps. ``kwargs`` go to :func:`simulate` (its ``subnets``: how many to simulate)."""
+    if subnets_per_step > 1:
+        spec, chunks = _steps_of(spec, subnets_per_step), chunks * subnets_per_step
     layouts = [(s, processes // s) for s in range(1, processes + 1)
                if processes % s == 0 and s <= len(spec.blocks) and chunks % (processes // s) == 0]
     return [simulate(spec, s, window, chunks, schedule, replicas=d, **kwargs) for s, d in layouts]
