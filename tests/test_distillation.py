@@ -3,8 +3,6 @@ on the last stage no update between one step's forwards (the multi-process runs:
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import nn
@@ -24,32 +22,22 @@ def test_every_replica_gets_the_teacher_of_every_piece_its_share_needs(subnets: 
     contiguous share. Each runs its forwards in order as the executor does: relay, then keep a first subnet's output."""
     world, share = _World(replicas), subnets * pieces // replicas
     found: dict[int, dict[int, torch.Tensor | None]] = {}
-    errors: list[BaseException] = []
 
     def run(replica: int) -> None:
-        try:
-            teachers, seen = Teachers(_Group(replica, world)), {}
-            for c in range(share):
-                m = replica * share + c
-                subnet, piece = divmod(m, pieces)
-                teachers.relay(7, c, pieces, replica * share)
-                if subnet == 0:
-                    teachers.keep(7, piece, torch.full((2,), float(piece)).requires_grad_())
-                else:
-                    seen[m] = teachers.teacher(7, piece)
-            teachers.drop_from(7, 7)
-            assert not teachers._kept
-            found[replica] = seen
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(error)
+        teachers, seen = Teachers(_Group(replica, world)), {}
+        for c in range(share):
+            m = replica * share + c
+            subnet, piece = divmod(m, pieces)
+            teachers.relay(7, c, pieces, replica * share)
+            if subnet == 0:
+                teachers.keep(7, piece, torch.full((2,), float(piece)).requires_grad_())
+            else:
+                seen[m] = teachers.teacher(7, piece)
+        teachers.drop_from(7, 7)
+        assert not teachers._kept
+        found[replica] = seen
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(replicas)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    if errors:
-        raise errors[0]
+    world.run(run)
     needed = set(range(pieces, subnets * pieces))
     assert {m for seen in found.values() for m in seen} == needed
     for seen in found.values():

@@ -7,6 +7,7 @@ import copy
 import io
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -71,6 +72,24 @@ class _World:
         self.parts: list[Any] = [None] * size
         self.barrier = threading.Barrier(size)
 
+    def run(self, replica_body: Callable[[int], None]) -> None:
+        """``replica_body(replica)`` in one thread per replica; the first error any raised, raised here."""
+        errors: list[BaseException] = []
+
+        def run(replica: int) -> None:
+            try:
+                replica_body(replica)
+            except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        if errors:
+            raise errors[0]
+
 
 class _Elastic(nn.Module):
     """An elastic width with BatchNorm over its channels; micro-batch ``c`` runs width ``WIDTHS[c % 3]``, so the
@@ -133,32 +152,22 @@ def _one_device(momentum: float | None, kind: str) -> nn.Module:
 def _replicated(replicas: int, momentum: float | None, kind: str) -> list[nn.Module]:
     world, models = _World(replicas), [_model(momentum, kind) for _ in range(replicas)]
     x, y = _batch()
-    errors: list[BaseException] = []
 
     def run(replica: int) -> None:
-        try:
-            model = models[replica]
-            updates = ReplicaUpdates(_Group(replica, world), model)
-            params = list(model.parameters())
-            updates.params[7] = params
-            share = range(replica * CHUNKS // replicas, (replica + 1) * CHUNKS // replicas)
-            for c in share:
-                with updates.forward(7, c):
-                    loss = _loss(model, x, y, c)
-                with updates.backward(7, c):
-                    loss.backward()
-            updates.reduce(7, share, params)
-            updates.close()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(error)
+        model = models[replica]
+        updates = ReplicaUpdates(_Group(replica, world), model)
+        params = list(model.parameters())
+        updates.params[7] = params
+        share = range(replica * CHUNKS // replicas, (replica + 1) * CHUNKS // replicas)
+        for c in share:
+            with updates.forward(7, c):
+                loss = _loss(model, x, y, c)
+            with updates.backward(7, c):
+                loss.backward()
+        updates.reduce(7, share, params)
+        updates.close()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(replicas)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    world.run(run)
     return models
 
 

@@ -13,7 +13,7 @@ supernet. See ``docs/planner.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -282,14 +282,19 @@ def _steps_of(spec: SpaceSpec, subnets: int) -> SpaceSpec:
     """``spec`` with every candidate's compute ``subnets`` times its own: a training step of ``subnets`` subnets as
     the planner sees it (their micro-batches flow like one subnet's, and the step updates once). The subnets of a
     step differ, so this is the mean step of uniformly sampled subnets, not of a given sampler's."""
-    def times(ms: float | None) -> float | None:
-        return None if ms is None else ms * subnets
+    return replace(spec, blocks=_compute_scaled(spec, lambda ms: ms * subnets))
 
-    blocks = [BlockSpec(b.label, [replace(c, forward_ms=c.forward_ms * subnets, backward_ms=c.backward_ms * subnets,
-                                          input_backward_ms=times(c.input_backward_ms),
-                                          weight_backward_ms=times(c.weight_backward_ms)) for c in b.candidates])
-              for b in spec.blocks]
-    return replace(spec, blocks=blocks)
+
+def _compute_scaled(spec: SpaceSpec, scale: Callable[[float], float]) -> list[BlockSpec]:
+    """``spec``'s blocks with ``scale`` applied to every candidate's compute times (forward, backward, and the
+    deferred backward's two passes where measured)."""
+    def scaled(ms: float | None) -> float | None:
+        return None if ms is None else scale(ms)
+
+    return [BlockSpec(b.label, [replace(c, forward_ms=scale(c.forward_ms), backward_ms=scale(c.backward_ms),
+                                        input_backward_ms=scaled(c.input_backward_ms),
+                                        weight_backward_ms=scaled(c.weight_backward_ms)) for c in b.candidates])
+            for b in spec.blocks]
 
 
 def best_layout(predictions: Sequence[Prediction]) -> Prediction:
@@ -301,14 +306,7 @@ def _replica_share(spec: SpaceSpec, replicas: int) -> SpaceSpec:
     """The space as one replica of ``replicas`` sees it: each candidate's compute is the replica's share of the
     batch; each subnet's update on a stage waits for the chained reduction of its gradients there (``replicas - 1``
     messages down, as many back: :func:`_stage_costs`), and each window for the gather of the last stage's losses."""
-    def share(ms: float | None) -> float | None:
-        return None if ms is None else ms / replicas
-
-    blocks = [BlockSpec(b.label, [replace(c, forward_ms=c.forward_ms / replicas, backward_ms=c.backward_ms / replicas,
-                                          input_backward_ms=share(c.input_backward_ms),
-                                          weight_backward_ms=share(c.weight_backward_ms)) for c in b.candidates])
-              for b in spec.blocks]
-    return replace(spec, blocks=blocks, reduce_hops=2.0 * (replicas - 1),
+    return replace(spec, blocks=_compute_scaled(spec, lambda ms: ms / replicas), reduce_hops=2.0 * (replicas - 1),
                    sync_ms=spec.sync_ms + spec.message_ms + spec.message_cpu_ms)
 
 
