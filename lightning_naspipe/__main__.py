@@ -23,7 +23,7 @@ from lightning_naspipe.space.supernet import supernet_of
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning import SpaceSpec, plan, table, wide_spec
-from lightning_naspipe.planning.planner import best_layout, plan_layouts, simulate
+from lightning_naspipe.planning.planner import best_layout, plan_layouts
 from lightning_naspipe.pipeline.schedule import SCHEDULES
 
 
@@ -38,14 +38,18 @@ def _plan(args: argparse.Namespace) -> int:
         spec = wide_spec(args.wide, args.blocks, args.block_ms)
     settings = dict(subnets=args.subnets, seed=args.seed, batch_size=args.batch_size, lookahead=not args.no_lookahead,
                     defer_weight_grads=args.defer_weight_grads)
+    steps = args.subnets_per_step
+    if steps < 1:
+        print(f"plan: --subnets-per-step must be >= 1, got {steps}", file=sys.stderr)
+        return 2
     if args.processes is not None:
-        predictions = plan_layouts(spec, args.processes, args.window, args.chunks, args.schedule, **settings)
+        predictions = plan_layouts(spec, args.processes, args.window, args.chunks, args.schedule, steps, **settings)
         if not predictions:
-            print(f"plan: no layout of {args.processes} processes fits chunks={args.chunks} (a multiple of the "
-                  "replicas) and the space's blocks", file=sys.stderr)
+            print(f"plan: no layout of {args.processes} processes fits chunks={args.chunks} x {steps} subnet(s) per "
+                  "step (a multiple of the replicas) and the space's blocks", file=sys.stderr)
             return 2
     else:
-        predictions = plan(spec, args.stages, args.window, args.chunks, args.schedule, **settings)
+        predictions = plan(spec, args.stages, args.window, args.chunks, args.schedule, steps, **settings)
     if args.json:
         print(json.dumps([p.to_dict() for p in predictions], indent=1))
         return 0
@@ -54,8 +58,10 @@ def _plan(args: argparse.Namespace) -> int:
         f"wide: {args.blocks} choice blocks x {args.wide} candidates, {args.block_ms} ms forward per block")
     print(f"space: {space}; window {args.window}, chunks {args.chunks}, schedule {args.schedule}, "
           f"lookahead {'off' if args.no_lookahead else 'on'}, "
-          f"{predictions[0].subnets if predictions else 0} subnets simulated")
-    one_device = simulate(spec, 1, args.window, args.chunks, args.schedule, **settings).subnets_per_s
+          f"{predictions[0].subnets if predictions else 0} {'subnets' if steps == 1 else 'steps'} simulated")
+    if steps > 1:
+        print(f"each training step trains {steps} subnets: the rates count steps")
+    one_device = plan(spec, [1], args.window, args.chunks, args.schedule, steps, **settings)[0].subnets_per_s
     print(table(predictions, one_device))
     if args.processes is not None:
         best = best_layout(predictions)
@@ -103,10 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--processes", type=int, default=None,
                    help="instead of --stages: every stages x replicas layout of this many processes, and the best")
-    p.add_argument("--window", type=int, default=16, help="subnets per window (default 16)")
+    p.add_argument("--window", type=int, default=8, help="training steps per window (default 8, as NASPipeStrategy)")
     p.add_argument("--chunks", type=int, default=1, help="micro-batches per subnet (default 1)")
     p.add_argument("--schedule", choices=SCHEDULES, default="csp")
     p.add_argument("--subnets", type=int, default=None, help="subnets to simulate (default 64, whole windows)")
+    p.add_argument("--subnets-per-step", type=int, default=1,
+                   help="subnets each training step trains (lnp.Sandwich(2): 4; default 1)")
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per subnet, for samples/s")
     p.add_argument("--no-lookahead", action="store_true",

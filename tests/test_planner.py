@@ -182,6 +182,32 @@ def test_steps_of_several_subnets_open_layouts_and_count_steps() -> None:
     assert alone < one / 3
 
 
+def test_plan_by_stage_count_takes_steps_of_several_subnets_too() -> None:
+    spec = mixed_spec()
+    by_stages = plan(spec, (1, 2), 8, chunks=1, subnets_per_step=4)
+    by_layouts = {p.layout: p for p in plan_layouts(spec, 2, 8, chunks=1, subnets_per_step=4)}
+    assert [p.subnets_per_s for p in by_stages] == [plan_layouts(spec, 1, 8, chunks=1, subnets_per_step=4)[0]
+                                                    .subnets_per_s, by_layouts["2x1"].subnets_per_s]
+    assert by_stages[0].chunks == 4  # a step's 4 subnets flow as 4 micro-batches
+    with pytest.raises(ValueError, match="subnets_per_step must be >= 1"):
+        plan(spec, (1,), 8, subnets_per_step=0)
+
+
+def test_cli_plans_steps_of_several_subnets_at_the_strategys_window() -> None:
+    """``--subnets-per-step 4`` opens the 2-replica layout of 2 processes at chunks 1 (``Sandwich(2)``), says that the
+    rates count steps, and plans at window 8, ``NASPipeStrategy``'s default; 0 is a usage error."""
+    command = [sys.executable, "-m", "lightning_naspipe", "plan", "--wide", "8", "--processes", "2"]
+    done = subprocess.run([*command, "--subnets-per-step", "4"], capture_output=True, text=True, timeout=120,
+                          check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("space: wide") and "window 8," in lines[0] and "steps simulated" in lines[0]
+    assert "the rates count steps" in done.stdout
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["S", "x"])
+    assert [line.split()[0] for line in lines[head + 1:head + 3]] == ["1x2", "2x1"]
+    refused = subprocess.run([*command, "--subnets-per-step", "0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--subnets-per-step must be >= 1" in refused.stderr
+
+
 def test_cli_predicts_every_layout_and_names_the_best() -> None:
     done = subprocess.run([sys.executable, "-m", "lightning_naspipe", "plan", "--wide", "8", "--processes", "4",
                            "--chunks", "4"], capture_output=True, text=True, timeout=120, check=True)

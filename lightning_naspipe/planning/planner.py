@@ -258,8 +258,10 @@ def _rolled(spec: SpaceSpec, ranges: list[range], architectures: Sequence[Mappin
 
 
 def plan(spec: SpaceSpec, stages_list: Iterable[int] = (1, 2, 4, 8, 16, 32, 64), window: int = 16, chunks: int = 1,
-         schedule: str = "csp", **kwargs: Any) -> list[Prediction]:
-    """:func:`simulate` for each stage count that fits the space (at most one stage per block)."""
+         schedule: str = "csp", subnets_per_step: int = 1, **kwargs: Any) -> list[Prediction]:
+    """:func:`simulate` for each stage count that fits the space (at most one stage per block); with
+    ``subnets_per_step`` as :func:`plan_layouts` has it."""
+    spec, chunks = _steps_of(spec, chunks, subnets_per_step)
     return [simulate(spec, s, window, chunks, schedule, **kwargs) for s in stages_list if s <= len(spec.blocks)]
 
 
@@ -271,18 +273,22 @@ def plan_layouts(spec: SpaceSpec, processes: int, window: int = 16, chunks: int 
     training step (the recipes of :mod:`..pipeline.step_sampling`), a step is modelled as one subnet of that many
     times a subnet's compute in ``subnets_per_step * chunks`` micro-batches and one update (:func:`_steps_of`), and
     the rates count steps. ``kwargs`` go to :func:`simulate` (its ``subnets``: how many to simulate)."""
-    if subnets_per_step > 1:
-        spec, chunks = _steps_of(spec, subnets_per_step), chunks * subnets_per_step
+    spec, chunks = _steps_of(spec, chunks, subnets_per_step)
     layouts = [(s, processes // s) for s in range(1, processes + 1)
                if processes % s == 0 and s <= len(spec.blocks) and chunks % (processes // s) == 0]
     return [simulate(spec, s, window, chunks, schedule, replicas=d, **kwargs) for s, d in layouts]
 
 
-def _steps_of(spec: SpaceSpec, subnets: int) -> SpaceSpec:
-    """``spec`` with every candidate's compute ``subnets`` times its own: a training step of ``subnets`` subnets as
-    the planner sees it (their micro-batches flow like one subnet's, and the step updates once). The subnets of a
-    step differ, so this is the mean step of uniformly sampled subnets, not of a given sampler's."""
-    return replace(spec, blocks=_compute_scaled(spec, lambda ms: ms * subnets))
+def _steps_of(spec: SpaceSpec, chunks: int, subnets: int) -> tuple[SpaceSpec, int]:
+    """``spec`` and ``chunks`` for training steps of ``subnets`` subnets as the planner sees them: every candidate's
+    compute ``subnets`` times its own, in ``subnets * chunks`` micro-batches (they flow like one subnet's, and the
+    step updates once). The subnets of a step differ, so this is the mean step of uniformly sampled subnets, not
+    of a given sampler's."""
+    if subnets < 1:
+        raise ValueError(f"subnets_per_step must be >= 1, got {subnets}")
+    if subnets == 1:
+        return spec, chunks
+    return replace(spec, blocks=_compute_scaled(spec, lambda ms: ms * subnets)), chunks * subnets
 
 
 def _compute_scaled(spec: SpaceSpec, scale: Callable[[float], float]) -> list[BlockSpec]:
