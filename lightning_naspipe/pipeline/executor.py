@@ -312,7 +312,7 @@ class StageExecutor:
     def _backward_chunk(self, window: Window, k: int, c: int) -> None:
         index = window.first_index + k
         saved = self._stash.pop((index, c))
-        deferred = DeferredWeights() if self.defer_weight_grads else None
+        deferred = DeferredWeights(self._collect) if self.defer_weight_grads else None
         blocks = reversed(self.blocks)
         inputs, outputs = saved.pop()
         block = next(blocks)

@@ -51,8 +51,14 @@ class _Group:
 @dataclass
 class DeferredWeights:
     """Weight-gradient passes of blocks whose input gradients were already computed, in block order
-    (last block first, as a one-pass backward accumulates them)."""
+    (last block first, as a one-pass backward accumulates them).
 
+    Attributes:
+        after_block: called after each block's weight pass, one accumulation onto ``.grad`` as a block's one-pass
+            backward is (a later data-parallel replica takes each as an addend of its own, see :mod:`.replicas`).
+    """
+
+    after_block: Callable[[], None] | None = None
     _pending: list[list[_Group]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -73,6 +79,8 @@ class DeferredWeights:
                     torch.autograd.backward([r for r, _ in roots], [g for _, g in roots], inputs=group.params)
                 finally:
                     handle.remove()
+            if self.after_block is not None:
+                self.after_block()
 
     def backward(self, outputs: object, grads: Sequence[Tensor | None], inputs: object,
                  params: Sequence[Tensor]) -> tuple[Tensor | None, ...]:

@@ -1,0 +1,124 @@
+"""Stages x data-parallel replicas in one process: a thread per (stage, replica), each with its own module copy, the
+stages of a replica linked as in :mod:`inprocess`, the replicas of a stage by a :class:`BatonGroup`. One baton for
+all threads, so at most one runs torch code at a time and the run is deterministic."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from inprocess import LocalTransport, _World
+from lightning_naspipe.pipeline.engine import Engine, EngineModule
+
+
+class _Links:
+    def __init__(self, baton: threading.Condition) -> None:
+        self.baton = baton
+        self.queues: dict[tuple[int, int, int], list[Any]] = {}  # (stage, from, to) -> values, FIFO
+
+
+class BatonGroup:
+    """A :class:`~lightning_naspipe.pipeline.replicas.ReplicaGroup` of the replica threads of one stage; its messages
+    take the ways :class:`~lightning_naspipe.transport.replica_links.ReplicaLinks` takes."""
+
+    wait_s = 0.0
+    failures = None
+
+    def __init__(self, links: _Links, stage: int, replica: int, replicas: int) -> None:
+        self._links, self._stage, self._replica, self._replicas = links, stage, replica, replicas
+
+    @property
+    def replica(self) -> int:
+        return self._replica
+
+    @property
+    def replicas(self) -> int:
+        return self._replicas
+
+    def _send(self, to: int, value: Any) -> None:
+        self._links.queues.setdefault((self._stage, self._replica, to), []).append(value)
+        self._links.baton.notify_all()
+
+    def _recv(self, frm: int) -> Any:
+        queue = self._links.queues.setdefault((self._stage, frm, self._replica), [])
+        self._links.baton.wait_for(lambda: bool(queue), timeout=60)
+        if not queue:
+            raise RuntimeError(f"stage {self._stage} replica {self._replica} waited 60 s for replica {frm}")
+        return queue.pop(0)
+
+    def send_next(self, value: Any) -> None:
+        self._send(self._replica + 1, value)
+
+    def recv_previous(self) -> Any:
+        return self._recv(self._replica - 1)
+
+    def from_last(self, value: Any) -> Any:
+        if self._replica != self._replicas - 1:
+            value = self._recv(self._replica + 1)
+        if self._replica > 0:
+            self._send(self._replica - 1, value)
+        return value
+
+    def gather(self, value: Any) -> list[Any]:
+        parts = [value] if self._replica == 0 else [*self._recv(self._replica - 1), value]
+        if self._replica < self._replicas - 1:
+            self._send(self._replica + 1, parts)
+        return list(self.from_last(parts if self._replica == self._replicas - 1 else None))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def train_grid(modules: Sequence[Sequence[EngineModule]], stage_blocks: Sequence[range], batches: Sequence[Any],
+               window: int, chunks: int, engines: list[list[Engine]] | None = None,
+               **engine_kwargs: Any) -> list[list[Tensor | None]]:
+    """Train ``batches`` on ``len(stage_blocks)`` stages x ``len(modules[0])`` replicas; ``modules[s][r]``: stage
+    ``s`` replica ``r``'s copy. Each window is given the next one's batches. Returns each replica's last-stage losses.
+    ``engines`` (if given) is filled with the engines, ``engines[s][r]``; ``engine_kwargs``: as for :class:`Engine`."""
+    stages, replicas = len(stage_blocks), len(modules[0])
+    baton = threading.Condition()
+    links = _Links(baton)
+    columns = []
+    for _ in range(replicas):
+        world = _World(stages)
+        world.baton = baton
+        columns.append(world)
+    built = [[Engine(stage_blocks, stage=s, chunks=chunks,
+                       transport=LocalTransport(columns[r], s) if stages > 1 else None,
+                       replicas=BatonGroup(links, s, r, replicas) if replicas > 1 else None, **engine_kwargs)
+                for r in range(replicas)] for s in range(stages)]
+    if engines is not None:
+        engines[:] = built
+    losses: list[list[Tensor | None]] = [[] for _ in range(replicas)]
+    errors: list[BaseException] = []
+    threads_per_op = torch.get_num_threads()
+
+    def run(s: int, r: int) -> None:
+        torch.set_num_threads(threads_per_op)
+        with baton:
+            try:
+                for start in range(0, len(batches), window):
+                    upcoming = batches[start + window:start + 2 * window]
+                    done = built[s][r].train_window(modules[s][r], batches[start:start + window], start, upcoming)
+                    if s == stages - 1:
+                        losses[r] += done.losses
+            except BaseException as error:  # noqa: BLE001 - raised by the driver
+                errors.append(error)
+                baton.notify_all()
+
+    threads = [threading.Thread(target=run, args=(s, r), daemon=True) for s in range(stages) for r in range(replicas)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a replica thread hangs"
+    return losses
