@@ -244,3 +244,35 @@ def test_a_copy_or_pickle_of_the_module_is_not_watched() -> None:
     updates.drop_from(3)
     assert not updates._touched and not updates._inputs
     updates.close()
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("make", [lambda: nn.BatchNorm1d(6), lambda: nn.BatchNorm2d(6),
+                                  lambda: lnp.ElasticBatchNorm2d([3, 6], label="w")],
+                         ids=["bn1d", "bn2d", "elastic"])
+def test_the_replay_updates_running_statistics_as_the_training_forward_does(make: Callable[[], nn.Module],
+                                                                            momentum: float | None) -> None:
+    """``_replay`` is the forward's own ``F.batch_norm`` call: the same statistics and count, bit for bit (an elastic
+    layer's on the leading channels its input has, the others left alone)."""
+    from lightning_naspipe.pipeline.replicas import _replay
+    from lightning_naspipe.space.choice import active_architecture
+
+    torch.manual_seed(0)
+    layer = make()
+    layer.momentum = momentum
+    elastic = isinstance(layer, lnp.ElasticBatchNorm2d)
+    batches = [torch.randn(5, 3 if elastic else 6, *(() if isinstance(layer, nn.BatchNorm1d) else (4, 4)))
+               for _ in range(3)]
+    replayed = copy.deepcopy(layer)
+    for batch in batches:
+        if elastic:
+            with active_architecture({"w": 0}):
+                layer(batch)
+        else:
+            layer(batch)
+        _replay(replayed, batch)
+    for name, buffer in layer.named_buffers():
+        assert torch.equal(buffer, dict(replayed.named_buffers())[name]), name
+    assert int(layer.num_batches_tracked) == 3
+    if elastic:
+        assert torch.equal(layer.running_mean[3:], torch.zeros(3))  # the channels no batch had

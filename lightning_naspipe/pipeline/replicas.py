@@ -20,7 +20,7 @@ change the bits. Here the replicas of a stage each train a contiguous share of t
 BatchNorm in training computes its output from the batch's statistics, so only its running statistics
 depend on the order. Replica 0 updates them as one device does; a later replica keeps each BatchNorm
 input of its micro-batches and, once it has the running statistics the replica before it ended with,
-replays the update with the same kernel (``torch.batch_norm_update_stats``), micro-batch by micro-batch.
+replays the update with the forward's own call (``F.batch_norm``, so the same kernel), micro-batch by micro-batch.
 
 Cost per subnet update and stage: ``D - 1`` chained messages of the subnet's gradients and BatchNorm
 buffers on this stage, and ``D - 1`` back from the last replica; a later replica holds one gradient copy
@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm2d
@@ -315,13 +316,18 @@ def _load(statistics: Sequence[Tensor], values: Sequence[Tensor]) -> None:
 
 
 def _replay(layer: Any, batch: Tensor) -> None:
-    """The running-statistics update a training forward of ``layer`` on ``batch`` makes (as ``_BatchNorm.forward``
-    computes its factor), with the kernel the forward uses; an elastic layer's, on the leading channels ``batch``
-    has (views, updated in place as its forward updates them)."""
+    """The running-statistics update a training forward of ``layer`` on ``batch`` makes: the forward's own call
+    (``F.batch_norm`` with the factor ``_BatchNorm.forward`` computes, the layer's weight and bias), so that every
+    device picks the kernel the forward picked (cuDNN updates the statistics itself); its output is dropped. An
+    elastic layer's on the leading channels ``batch`` has (views, updated in place as its forward updates them)."""
     factor = 0.0 if layer.momentum is None else layer.momentum
     if layer.num_batches_tracked is not None:
         layer.num_batches_tracked.add_(1)
         if layer.momentum is None:
             factor = 1.0 / float(layer.num_batches_tracked)
-    channels = batch.shape[1]
-    torch.batch_norm_update_stats(batch, layer.running_mean[:channels], layer.running_var[:channels], factor)
+    tensors: list[Tensor | None] = [layer.running_mean, layer.running_var, layer.weight, layer.bias]
+    if isinstance(layer, (ElasticBatchNorm1d, ElasticBatchNorm2d)):
+        tensors = [None if t is None else t[:batch.shape[1]] for t in tensors]
+    running_mean, running_var, weight, bias = tensors
+    with torch.no_grad():
+        F.batch_norm(batch, running_mean, running_var, weight, bias, True, factor, layer.eps)
