@@ -28,7 +28,6 @@ from torch import Tensor
 
 from lightning_naspipe.transport import wire as wire_format
 from lightning_naspipe.transport.boundary import Gradients, map_tensors
-from lightning_naspipe.transport.distributed import broadcast_object
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.transport.failures import FailureBoard, default_store, explained
 from lightning_naspipe.pipeline.actions import NORMS, Schedule
@@ -183,9 +182,15 @@ class P2PTransport:
         return self._recv_for(link, stage, (subnet, NORMS))
 
     def share(self, value: BlockValue) -> BlockValue:
-        """The last stage's ``value`` (e.g. an evaluation output) on every stage."""
-        last = len(self.ranks) - 1
-        return broadcast_object(value if self.stage == last else None, self.ranks[last], self.device, self.group)
+        """The last stage's ``value`` (e.g. an evaluation output) on every stage: relayed down the links, each stage
+        passing it on (called between windows, when the links hold nothing else that way). Point to point rather
+        than a pickling broadcast over the group: on one host a shared-memory message per link, microseconds
+        instead of milliseconds per evaluation batch."""
+        if self.stage < len(self.ranks) - 1:
+            value = self._recv(self.stage + 1)
+        if self.stage > 0:
+            self.links.send(self.stage - 1, value)
+        return value
 
     def share_window_end(self, losses: Sequence[Tensor | None], flags: Sequence[int],
                          records: list[Any] | None = None) -> tuple[list[Tensor], list[int], list[Any]]:

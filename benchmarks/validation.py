@@ -1,0 +1,83 @@
+"""Validation throughput: ``trainer.validate`` with the mixin's default ``validation_step`` on 1 process, 2 stages
+and 2 replicas (``NASPipeStrategy()`` / ``NASPipeStrategy(num_stages=1)``).
+
+Validation evaluates one batch at a time, as Lightning's loop hands them out: on stages each batch flows through the
+pipeline and its output comes back to every stage, so that the user's metric code runs unchanged on every rank;
+replicas each evaluate every batch. Neither is faster than one process; this measures what the pipeline adds per
+batch. Each configuration validates the space's model twice in fresh processes and times the second pass; rounds
+alternate the configurations. Run from the repository root::
+
+    python benchmarks/validation.py                         # wide_mlp_8ms and nb201, 2 rounds
+    python benchmarks/validation.py --spaces charlm --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+
+import lightning_naspipe as lnp
+from common import add_common_args, launch, machine, ran_as_worker
+from zoo_spaces import SPACES, space
+
+CONFIGS: dict[str, tuple[int, int | None]] = {"1 process": (1, None), "2 stages": (2, None), "2 replicas": (2, 1)}
+
+
+class EpochTimer(pl.Callback):
+    """Seconds of the last validation epoch."""
+
+    def __init__(self) -> None:
+        self.start, self.seconds = 0.0, 0.0
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    chosen = space(cfg["space"])
+    processes, num_stages = CONFIGS[cfg["config"]]
+    timer = EpochTimer()
+    trainer = pl.Trainer(accelerator="cpu", devices=processes, strategy=lnp.NASPipeStrategy(num_stages=num_stages),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    module, data = chosen.model(), chosen.data(cfg["batches"])
+    trainer.validate(module, data, verbose=False)  # warm-up
+    trainer.validate(module, data, verbose=False)
+    if trainer.global_rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump({"batches_per_s": cfg["batches"] / timer.seconds}, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--spaces", nargs="+", default=["wide_mlp_8ms", "nb201"], choices=list(SPACES))
+    parser.add_argument("--batches", type=int, default=200, help="validation batches per pass (default 200)")
+    add_common_args(parser)
+    args = parser.parse_args()
+    if ran_as_worker(args, worker):
+        return
+    args.repeats = max(args.repeats, 2)
+    print(f"{machine()}; batches/s of the second of two validation passes, median of {args.repeats} rounds")
+    print(f"{'space':14s}" + "".join(f"{c:>16s}" for c in CONFIGS) + "   2 stages / 1 process")
+    for name in args.spaces:
+        rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        for r in range(args.repeats):
+            order = list(CONFIGS)[r % len(CONFIGS):] + list(CONFIGS)[:r % len(CONFIGS)]
+            for config in order:
+                result = launch(__file__, {"space": name, "config": config, "processes": CONFIGS[config][0],
+                                           "batches": args.batches})
+                rates[config].append(result.get("batches_per_s", float("nan")))
+        medians = {c: statistics.median(v) for c, v in rates.items()}
+        print(f"{name:14s}" + "".join(f"{medians[c]:16.1f}" for c in CONFIGS)
+              + f"   {medians['2 stages'] / medians['1 process']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
