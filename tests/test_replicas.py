@@ -276,3 +276,43 @@ def test_the_replay_updates_running_statistics_as_the_training_forward_does(make
     assert int(layer.num_batches_tracked) == 3
     if elastic:
         assert torch.equal(layer.running_mean[3:], torch.zeros(3))  # the channels no batch had
+
+
+def test_a_buffer_outside_the_supernet_changed_in_a_training_forward_is_refused_naming_it() -> None:
+    """A BatchNorm in the loss's code (outside the supernet) would count only each replica's share."""
+
+    class Owner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.supernet = nn.Sequential(nn.Linear(2, 2))
+            self.head_norm = nn.BatchNorm1d(2)
+
+    owner = Owner()
+    updates = ReplicaUpdates(_Group(0, _World(2)), owner.supernet, owner)
+    with updates.forward(0, 0):
+        owner.supernet(torch.ones(3, 2))  # the supernet's own forward changes nothing outside it
+    with pytest.raises(NASPipeConfigError, match=r"buffer 'head_norm\.\w+' of Owner, outside the supernet"):
+        with updates.forward(0, 1):
+            owner.head_norm(owner.supernet(torch.randn(3, 2)))
+    updates.close()
+
+
+def test_sparse_gradients_are_refused_on_every_replica() -> None:
+    world = _World(2)
+    messages: list[str] = []
+
+    def run(replica: int) -> None:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(5, 3, sparse=True)
+        updates = ReplicaUpdates(_Group(replica, world), embedding)
+        params = list(embedding.parameters())
+        updates.params[0] = params
+        with updates.backward(0, replica):
+            embedding(torch.tensor([replica, 2])).sum().backward()
+        with pytest.raises(NASPipeConfigError, match="sparse gradient") as refused:
+            updates.reduce(0, range(replica, replica + 1), params)
+        messages.append(str(refused.value))
+        updates.close()
+
+    world.run(run)
+    assert len(messages) == 2 and "sparse=False" in messages[0]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from lightning_naspipe.pipeline.clipping import UpdateClipping, clips, clips_by_norm
 from lightning_naspipe.pipeline.distillation import Teachers, wants_teacher
@@ -369,7 +370,8 @@ class Engine:
 
     def _updates(self, module: EngineModule) -> ReplicaUpdates | None:
         if self.replicas is not None and self._replica_updates is None:
-            self._replica_updates = ReplicaUpdates(self.replicas, module.supernet)
+            owner = module if isinstance(module, nn.Module) else None
+            self._replica_updates = ReplicaUpdates(self.replicas, module.supernet, owner)
         return self._replica_updates
 
     def _update_params(self, module: EngineModule, resources: frozenset[Resource]) -> list[torch.Tensor]:

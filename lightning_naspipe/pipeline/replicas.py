@@ -111,9 +111,11 @@ class ReplicaUpdates:
     Args:
         group: the replicas of this stage.
         supernet: the module whose BatchNorm layers are watched.
+        owner: the module holding ``supernet`` (the LightningModule), whose other buffers must stay constant in a
+            training forward too (``compute_loss`` runs inside one on the last stage).
     """
 
-    def __init__(self, group: ReplicaGroup, supernet: nn.Module) -> None:
+    def __init__(self, group: ReplicaGroup, supernet: nn.Module, owner: nn.Module | None = None) -> None:
         self.group = group
         #: Per subnet: the parameters its update steps on this stage (set by the engine for each window).
         self.params: dict[int, Sequence[Tensor]] = {}
@@ -131,8 +133,12 @@ class ReplicaUpdates:
         self._before: dict[tuple[int, int], list[Tensor]] = {}
         self._current: tuple[int, int] | None = None
         # Every other buffer must stay as it is: its order across replicas is not reproduced.
-        self._others = [(f"{name}.{n}".lstrip("."), b) for name, m in supernet.named_modules()
-                        if not isinstance(m, _BATCH_NORMS) for n, b in m.named_buffers(recurse=False)]
+        self._others = [(f"The supernet's buffer {f'{name}.{n}'.lstrip('.')!r}", b)
+                        for name, m in supernet.named_modules() if not isinstance(m, _BATCH_NORMS)
+                        for n, b in m.named_buffers(recurse=False)]
+        inside = {id(b) for b in supernet.buffers()}
+        self._others += [(f"The buffer {name!r} of {type(owner).__name__}, outside the supernet,", b)
+                         for name, b in (owner.named_buffers() if owner is not None else ()) if id(b) not in inside]
         self._hooks = [m.register_forward_pre_hook(_Hook(self)) for m in self._layers]
 
     def close(self) -> None:
@@ -150,12 +156,12 @@ class ReplicaUpdates:
             yield
         finally:
             self._current = None
-        for (name, buffer), version in zip(self._others, versions):
+        for (what, buffer), version in zip(self._others, versions):
             if buffer._version != version:
                 raise NASPipeConfigError(
-                    f"The supernet's buffer {name!r} changed in a training forward. With several replicas per "
-                    "stage, NASPipe reproduces the one-device order of BatchNorm's running statistics only; "
-                    "keep other buffers constant in training, or use one replica (num_stages = processes)."
+                    f"{what} changed in a training forward. With several replicas per stage, NASPipe reproduces the "
+                    "one-device order of the supernet's BatchNorm running statistics only; keep other buffers "
+                    "constant in training, or use one replica (num_stages = processes)."
                 )
 
     @contextlib.contextmanager
@@ -197,6 +203,8 @@ class ReplicaUpdates:
         group, touched = self.group, self._touched.pop(index, set())
         self.params.pop(index, None)
         last = group.replica == group.replicas - 1
+        _refuse_sparse([p.grad for p in params] if group.replica == 0 else
+                       [t for c in chunks for parts in self._grads.get((index, c), []) for t in parts])
         if group.replica == 0:
             grads: list[Tensor | None] = [p.grad for p in params]
         else:
@@ -271,6 +279,15 @@ class _Hook:
 
     def __reduce__(self) -> tuple[Any, tuple[None]]:
         return (_Hook, (None,))
+
+
+def _refuse_sparse(grads: Sequence[Tensor | None]) -> None:
+    if any(g is not None and g.is_sparse for g in grads):
+        raise NASPipeConfigError(
+            "A sparse gradient (e.g. nn.Embedding(sparse=True)) cannot be summed across data-parallel replicas: "
+            "NASPipe reduces gradients as dense buffers in micro-batch order. Use sparse=False, or one replica "
+            "(num_stages = processes)."
+        )
 
 
 def _packed(grads: Sequence[Tensor | None], params: Sequence[Tensor],
