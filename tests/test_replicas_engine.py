@@ -4,7 +4,6 @@ against the one-device engine, bit for bit: losses, and every stage's weights an
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,21 +14,22 @@ import lightning_naspipe as lnp
 from inprocess_grid import train_grid
 from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.pipeline.sampling import uniform_architecture
+from test_engine import FakeModule
 
 SEED = 5
 
 
-class _Module:
-    """The engine's view of a NASPipe module: ``subnets`` per training step; ``teacher``: in-place distillation
+class _Module(FakeModule):
+    """test_engine.py's stand-in with ``subnets`` per training step; ``teacher``: in-place distillation
     (``compute_loss(..., teacher=...)``); ``logits``: the last block's output to logits (it may be a tuple)."""
 
     naspipe_seed = SEED
 
     def __init__(self, supernet: lnp.Supernet, subnets: int, teacher: bool,
                  logits: Callable[[Any], torch.Tensor]) -> None:
-        self.supernet, self.subnets, self.logits = supernet, subnets, logits
+        super().__init__(supernet)
+        self.subnets, self.logits = subnets, logits
         self.optimizer = torch.optim.Adam(supernet.parameters(), lr=0.05)
-        self.trainer = SimpleNamespace(lr_scheduler_configs=[], callback_metrics={})
         if teacher:
             self.compute_loss = self._distilling  # type: ignore[method-assign]
 
@@ -39,21 +39,12 @@ class _Module:
     def sample_subnet(self, index: int) -> dict[str, int]:
         return self.sample_step(index)[0]
 
-    def pipeline_input(self, batch: Any) -> Any:
-        return batch[0]
-
     def compute_loss(self, output: Any, batch: Any) -> torch.Tensor:
         return nn.functional.cross_entropy(self.logits(output), batch[1])
 
     def _distilling(self, output: Any, batch: Any, teacher: Any = None) -> torch.Tensor:
         loss = nn.functional.cross_entropy(self.logits(output), batch[1])
         return loss if teacher is None else loss + nn.functional.mse_loss(self.logits(output), self.logits(teacher))
-
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def optimizers(self) -> Any:
-        return SimpleNamespace(optimizer=self.optimizer, step=self.optimizer.step)
 
 
 def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
