@@ -90,3 +90,56 @@ def test_checkpoint_is_a_normal_lightning_checkpoint(tmp_path: Path) -> None:
     plain_trainer = pl.Trainer(**trainer_kwargs(max_steps=14))
     plain_trainer.fit(plain, toy_loader(), ckpt_path=ckpt)
     assert plain_trainer.global_step == 14
+
+
+
+class ReadsAtEpochEnd(pl.Callback):
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+
+class StartsEpochs(pl.Callback):
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+
+class EpochEndModule(ToyNet):
+    def on_train_epoch_end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("callbacks", "module_cls", "reads"), [
+    ([], ToyNet, False),
+    ([StartsEpochs(), pl.callbacks.EarlyStopping("loss"), pl.callbacks.ModelCheckpoint(),
+      pl.callbacks.LearningRateMonitor(), pl.callbacks.TQDMProgressBar(), lnp.NASPipeCallback()], ToyNet, False),
+    ([ReadsAtEpochEnd()], ToyNet, True),
+    ([pl.callbacks.LambdaCallback(on_train_epoch_end=lambda *args: None)], ToyNet, True),
+    ([], EpochEndModule, True),
+])
+def test_epoch_end_readers_are_any_callback_or_module_hook_but_lightnings_weight_blind_ones(
+        callbacks: list[Any], module_cls: type, reads: bool) -> None:
+    from lightning_naspipe.integration.callback import reads_weights_at_epoch_end
+
+    trainer = pl.Trainer(callbacks=callbacks, logger=False)
+    assert reads_weights_at_epoch_end(trainer, module_cls()) is reads
+
+
+@pytest.mark.slow
+def test_an_epoch_end_sends_only_what_changed_and_only_when_something_reads_it(tmp_path: Path) -> None:
+    """Two stages, epochs of 3 windows of a 4 x 12-candidate space: a callback reading the weights at each epoch's
+    end sees the plain Trainer's, and the sync before it sent exactly the tensors that changed in the epoch (most
+    candidates did not); with no reader nothing is sent."""
+    import epoch_end_run
+    from test_pipeline import run_ranks, torchrun_env
+
+    run_ranks(tmp_path, Path(epoch_end_run.__file__), ["--out", str(tmp_path)], torchrun_env(2))
+    piped = torch.load(tmp_path / "result", weights_only=False)
+    plain = epoch_end_run.fit(1, reader=True)
+    states, total = plain["states"], len(plain["final"])
+    for before, after, seen, sent in zip(states, states[1:], piped[True]["states"][1:], piped[True]["sent"]):
+        assert all(torch.equal(after[name], seen[name]) for name in after)
+        changed = sum(not torch.equal(before[name], after[name]) for name in after)
+        assert 0 < changed < total / 2 and sent == changed
+    assert piped[False]["sent"] == [0, 0, 0]  # nothing read the weights: no epoch end sent any
+    for run in (piped[True], piped[False]):
+        assert all(torch.equal(plain["final"][name], run["final"][name]) for name in plain["final"])

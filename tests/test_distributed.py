@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_naspipe.transport.distributed import broadcast_object, gather_objects
+from torch import nn
+
+from lightning_naspipe.transport.distributed import (broadcast_object, broadcast_tensors_, gather_objects,
+                                                     sync_stage_weights)
 from helpers import spawn_gloo_pair
 
 pytestmark = pytest.mark.slow
@@ -26,6 +29,44 @@ def test_every_rank_gets_every_ranks_object_in_rank_order() -> None:
     expected = [{"rank": 0, "stat": 0.0}, {"rank": 1, "stat": 0.5}]
     assert results["gathered0"] == results["gathered1"] == expected
     assert results["broadcast0"] == results["broadcast1"] == ("from rank 1", [1])
+
+
+def _blocks(rank: int) -> list[nn.Module]:
+    torch.manual_seed(rank)  # different values on each rank
+    return [nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), nn.Linear(4, 4), nn.Linear(4, 2)]
+
+
+def _sync_worker(rank: int, init_method: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    blocks, owners = _blocks(rank), [_blocks(0), _blocks(1)]
+    # Stage 0 owns blocks 0-1, stage 1 block 2; only the tensors named in `only` may differ.
+    only = {id(blocks[0][0].weight), id(blocks[0][1].running_mean), id(blocks[0][1].num_batches_tracked),
+            id(blocks[2].bias)}
+    sent = sync_stage_weights(blocks, [range(0, 2), range(2, 3)], [0, 1], torch.device("cpu"), only)
+    expected = [owners[0][0], owners[0][1], owners[1][2]]
+    results[f"sent{rank}"] = sent
+    results[f"exact{rank}"] = [
+        torch.equal(mine, (theirs if id(mine) in only else ours))
+        for block, owner, own in zip(blocks, expected, _blocks(rank))
+        for mine, theirs, ours in zip((*block.parameters(), *block.buffers()), (*owner.parameters(), *owner.buffers()),
+                                      (*own.parameters(), *own.buffers()))]
+    everything = sync_stage_weights(blocks, [range(0, 2), range(2, 3)], [0, 1], torch.device("cpu"))
+    results[f"all{rank}"] = everything
+    # Every dtype (float weights, int64 counters) packed, in buckets smaller than one tensor, from rank 1.
+    broadcast_tensors_([t for b in blocks for t in (*b.parameters(), *b.buffers())], 1, torch.device("cpu"),
+                       bucket_bytes=16)
+    results[f"state{rank}"] = [t.tolist() for b in blocks for t in (*b.parameters(), *b.buffers())]
+    dist.destroy_process_group()
+
+
+def test_stage_weights_sync_sends_exactly_the_changed_tensors_from_their_owners() -> None:
+    results = spawn_gloo_pair(_sync_worker)
+    assert results["sent0"] == results["sent1"] == 4
+    assert all(results["exact0"]) and all(results["exact1"])
+    assert results["all0"] == results["all1"] == 11  # 2 + 5 (BatchNorm: weight, bias, 3 buffers) + 2 + 2
+    synced = [*_blocks(0)[:2], _blocks(1)[2]]
+    expected = [t.tolist() for b in synced for t in (*b.parameters(), *b.buffers())]
+    assert results["state0"] == results["state1"] == expected
 
 
 def test_one_rank_gathers_without_a_process_group() -> None:

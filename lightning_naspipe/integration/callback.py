@@ -222,9 +222,33 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
 class StageWeightsSync(*_CALLBACK_BASES):  # type: ignore[misc]
     """Put first among the callbacks of a multi-stage fit by ``NASPipeStrategy``: at each epoch's end every
-    stage gets every block's current weights (a collective) before any other callback or the module's own
-    ``on_train_epoch_end`` reads them, as on one device. Between epochs a stage keeps current weights only
-    for its own blocks."""
+    stage gets the current weights before any other callback or the module's own ``on_train_epoch_end`` reads
+    them, as on one device. Between epochs a stage keeps current weights only for its own blocks.
+
+    Only when something can read them (:func:`reads_weights_at_epoch_end`), and only what changed since the
+    last sync (``NASPipeStrategy.sync_weights``): a short epoch of a big supernet otherwise pays for more
+    messages than training. A checkpoint gathers what it saves itself."""
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        trainer.strategy.sync_weights()
+        if reads_weights_at_epoch_end(trainer, pl_module):
+            trainer.strategy.sync_weights()
+
+
+def reads_weights_at_epoch_end(trainer: Any, module: Any) -> bool:
+    """Whether a callback of ``trainer`` or ``module`` itself may read weights in ``on_train_epoch_end``: it
+    overrides the hook and is none of Lightning's callbacks known not to read them, or NASPipe's own."""
+    if _defines_hook(module, "on_train_epoch_end", ("ModelHooks", "LightningModule")):
+        return True
+    blind = tuple(cls for ns in installed() for cls in (
+        ns.pytorch.callbacks.ProgressBar, ns.pytorch.callbacks.EarlyStopping, ns.pytorch.callbacks.Timer,
+        ns.pytorch.callbacks.LearningRateMonitor, ns.pytorch.callbacks.ModelSummary,
+        ns.pytorch.callbacks.ModelCheckpoint))  # a checkpoint syncs what it saves (lightning_module_state_dict)
+    return any(_defines_hook(c, "on_train_epoch_end", ("Callback", "NASPipeCallback", "StageWeightsSync"))
+               for c in trainer.callbacks if not isinstance(c, blind))
+
+
+def _defines_hook(owner: object, hook: str, defaults: tuple[str, ...]) -> bool:
+    if hook in getattr(owner, "__dict__", {}):  # set on the instance (LambdaCallback)
+        return True
+    defined = next((c for c in type(owner).__mro__ if hook in vars(c)), None)
+    return defined is not None and defined.__name__ not in defaults

@@ -33,6 +33,8 @@ class StagePlacement(NamespaceBinding):
     #: Whether every rank holds every block's current weights and optimizer state: always but between a
     #: multi-stage fit's setup and its training end, when a stage keeps only its own blocks current.
     _whole: bool = True
+    #: How many tensors the last :meth:`sync_weights` sent.
+    weights_sent: int = 0
 
     def _init_placement(self, offload: bool, offload_budget_bytes: int | None, rebalance_every: int | None) -> None:
         """This part's settings (``NASPipeStrategy``'s arguments of the same names) and its state before ``setup``."""
@@ -137,8 +139,6 @@ class StagePlacement(NamespaceBinding):
         supernet_of(self.lightning_module).local_blocks = None  # whole again
         self._whole = True
 
-    @override
-
     # -- checkpoints ----------------------------------------------------------------------------
 
     @override
@@ -165,7 +165,16 @@ class StagePlacement(NamespaceBinding):
             self.engine.offloader.rehost()
 
     def sync_weights(self) -> None:
-        """Give every rank the full, current weights (collective)."""
-        if self.layout.stages > 1:
-            supernet = supernet_of(self.lightning_module)
-            sync_stage_weights(list(supernet.blocks), self.stage_ranges, self.layout.column(0), self.root_device)
+        """Give every rank the full, current weights (collective): each stage sends the tensors of the resources
+        any stage's windows changed since the last sync (the engine's record, agreed by every rank), no others."""
+        if self.layout.stages == 1:
+            return
+        supernet = supernet_of(self.lightning_module)
+        only = None
+        if self.engine is not None:
+            changed = set().union(*gather_objects(self.engine.changed, self.world_size))
+            only = {id(t) for key in changed for t in supernet.resource_state(key).tensors()}
+        self.weights_sent = sync_stage_weights(list(supernet.blocks), self.stage_ranges, self.layout.column(0),
+                                               self.root_device, only)
+        if self.engine is not None:
+            self.engine.changed.clear()

@@ -124,6 +124,9 @@ class Engine:
         self.telemetry = telemetry
         #: Seconds this stage has computed in windows (waiting for neighbours excluded): rebalancing input.
         self.busy_s = 0.0
+        #: The resources this stage's windows may have changed (weights stepped, buffers updated in a forward)
+        #: since the strategy last gave every stage the current weights; it clears the set then.
+        self.changed: set[Resource] = set()
         #: Flags the stages agree on at each window's end (preemption signals); set by the strategy.
         self.signals: BoundarySignals | None = None
         self.lookahead = lookahead
@@ -239,6 +242,7 @@ class Engine:
     def run_window(self, module: EngineModule, plan: WindowPlan) -> Window:
         """Run this stage's row of ``plan``: forwards, backwards and per-subnet updates."""
         window, resources = plan.window, [r[self.stage] for r in plan.resources]
+        self.changed.update(*resources)
         actions = plan.actions(self.stage)
         eligible = self.chunks == 1 and serialised(plan.resources, plan.size, self.stage)
         defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)

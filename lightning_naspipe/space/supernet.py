@@ -47,6 +47,11 @@ class ResourceState:
     params: tuple[nn.Parameter, ...]
     buffers: tuple[tuple[nn.Module, str], ...]
 
+    def tensors(self) -> list[Tensor]:
+        """Its parameters and the buffers in its slots now (a slot may hold ``None``)."""
+        buffers = (module._buffers[name] for module, name in self.buffers)
+        return [*self.params, *(b for b in buffers if b is not None)]
+
 
 class Supernet(nn.Module):
     """The supernet: ``blocks`` applied in order; each block's output feeds the next.

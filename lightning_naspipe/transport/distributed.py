@@ -10,7 +10,7 @@ here: they travel point to point with its end (:meth:`.p2p.P2PTransport.share_wi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,29 +35,59 @@ def gather_objects(obj: Any, world_size: int) -> list[Any]:
     return parts
 
 
-def broadcast_tensors_(tensors: Iterable[Tensor], src: int, device: torch.device) -> None:
-    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place."""
-    nccl = dist.get_backend() == "nccl"
+def broadcast_tensors_(tensors: Iterable[Tensor], src: int, device: torch.device,
+                       bucket_bytes: int = 64 * 2**20) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place.
+
+    Tensors of one dtype travel packed, one broadcast per ``bucket_bytes`` staged on ``device``: a collective's
+    fixed cost is paid per call, hundreds of times over for a supernet's small tensors otherwise."""
+    buckets: dict[torch.dtype, list[Tensor]] = {}
+    sizes: dict[torch.dtype, int] = {}
     with torch.no_grad():
         for tensor in tensors:
-            if nccl and tensor.device != device:
-                staged = tensor.detach().to(device)
-                dist.broadcast(staged, src=src)
-                tensor.copy_(staged)
-            else:
-                dist.broadcast(tensor.data, src=src)
+            buckets.setdefault(tensor.dtype, []).append(tensor)
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
+            if sizes[tensor.dtype] >= bucket_bytes:
+                _broadcast_packed(buckets.pop(tensor.dtype), src, device)
+                del sizes[tensor.dtype]
+        for bucket in buckets.values():
+            _broadcast_packed(bucket, src, device)
+
+
+def _broadcast_packed(tensors: list[Tensor], src: int, device: torch.device) -> None:
+    sending = dist.get_rank() == src
+    if sending:
+        packed = torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
+    else:
+        packed = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=device)
+    dist.broadcast(packed, src=src)
+    if not sending:
+        for tensor, part in zip(tensors, torch.split(packed, [t.numel() for t in tensors])):
+            tensor.copy_(part.view_as(tensor))
 
 
 def sync_stage_weights(blocks: Sequence[nn.Module], stage_ranges: Sequence[range], ranks: Sequence[int],
-                       device: torch.device) -> None:
+                       device: torch.device, only: Collection[int] | None = None) -> int:
     """Give every rank the current parameters and buffers of every block, each tensor from its owner: the stage of
-    the first block holding it (a weight tied across stages is stepped there, see :mod:`.ties`)."""
+    the first block holding it (a weight tied across stages is stepped there, see :mod:`.ties`).
+
+    Args:
+        only: the ids of the tensors that may differ between ranks (all when ``None``); no other is sent.
+
+    Returns:
+        How many tensors were sent.
+    """
     seen: set[int] = set()
+    sent = 0
     for stage, indices in enumerate(stage_ranges):
         tensors = [t for i in indices for t in (*blocks[i].parameters(), *blocks[i].buffers())]
         owned = [t for t in _unique(tensors) if id(t) not in seen]
         seen.update(id(t) for t in owned)
+        if only is not None:
+            owned = [t for t in owned if id(t) in only]
         broadcast_tensors_(owned, ranks[stage], device)
+        sent += len(owned)
+    return sent
 
 
 def hand_over_optimizer_state(optimizer: Optimizer, moving: dict[int, tuple[int, int]], rank: int,
