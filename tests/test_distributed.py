@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_naspipe.transport.distributed import (broadcast_object, broadcast_tensors_, gather_objects,
-                                                     sync_stage_weights)
+                                                     gather_optimizer_state, sync_stage_weights)
 from helpers import spawn_gloo_pair
 
 pytestmark = pytest.mark.slow
@@ -67,6 +67,37 @@ def test_stage_weights_sync_sends_exactly_the_changed_tensors_from_their_owners(
     synced = [*_blocks(0)[:2], _blocks(1)[2]]
     expected = [t.tolist() for b in synced for t in (*b.parameters(), *b.buffers())]
     assert results["state0"] == results["state1"] == expected
+
+
+def _stepped(rank: int) -> tuple[list[nn.Module], torch.optim.Optimizer]:
+    """Three blocks under Adam; rank 0 steps block 0, rank 1 blocks 1 and 2 (each its own state only)."""
+    blocks = _blocks(0)
+    optimizer = torch.optim.Adam([p for b in blocks for p in b.parameters()], lr=0.1)
+    mine = blocks[:1] if rank == 0 else blocks[1:]
+    for _ in range(2 + rank):  # different step counts per rank
+        for b in mine:
+            for p in b.parameters():
+                p.grad = torch.full_like(p, 0.5 + rank)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return mine, optimizer
+
+
+def _optimizer_worker(rank: int, init_method: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    mine, optimizer = _stepped(rank)
+    state = gather_optimizer_state(optimizer, {id(p) for b in mine for p in b.parameters()}, torch.device("cpu"))
+    results[f"state{rank}"] = {i: {k: v.tolist() for k, v in s.items()} for i, s in state["state"].items()}
+    dist.destroy_process_group()
+
+
+def test_optimizer_state_gathers_each_parameters_state_from_its_owner() -> None:
+    results = spawn_gloo_pair(_optimizer_worker)
+    expected = {}
+    for rank in (0, 1):  # what each rank stepped, in the standard index layout
+        _, optimizer = _stepped(rank)
+        expected.update({i: {k: v.tolist() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()})
+    assert sorted(expected) == list(range(8)) and results["state0"] == results["state1"] == expected
 
 
 def test_one_rank_gathers_without_a_process_group() -> None:

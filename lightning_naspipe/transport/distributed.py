@@ -11,7 +11,7 @@ here: they travel point to point with its end (:meth:`.p2p.P2PTransport.share_wi
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -115,19 +115,32 @@ def hand_over_optimizer_state(optimizer: Optimizer, moving: dict[int, tuple[int,
 def gather_optimizer_state(optimizer: Optimizer, owned: set[int], device: torch.device) -> dict[str, Any]:
     """The optimizer's state dict in the standard layout, each parameter's state from its owner.
 
-    Every rank holds the full param groups but steps only the parameters it ``owned`` (ids);
-    every rank receives the merged result (collective).
+    Every rank holds the full param groups but steps only the parameters it ``owned`` (ids); every rank receives
+    the merged result (collective). What each rank holds is gathered as a small description; the tensors travel
+    packed from their owner (:func:`broadcast_tensors_`), not pickled. Received tensors are on the host.
     """
     local = optimizer.state_dict()
     index_of = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-    mine = {index_of[pid]: _to_cpu(local["state"][index_of[pid]]) for pid in owned
-            if pid in index_of and index_of[pid] in local["state"]}
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    merged: dict[int, Any] = {}
-    for part in parts:
-        merged.update(part)
+    mine = {index_of[pid]: {k: _Described(v.shape, v.dtype) if isinstance(v, Tensor) else v
+                            for k, v in local["state"][index_of[pid]].items()}
+            for pid in owned if pid in index_of and index_of[pid] in local["state"]}
+    rank = dist.get_rank()
+    merged: dict[int, dict[str, Any]] = {}
+    for src, part in enumerate(gather_objects(mine, dist.get_world_size())):
+        fresh = sorted(index for index in part if index not in merged)  # replicas of a stage own alike: the first
+        for index in fresh:
+            merged[index] = {k: (local["state"][index][k] if src == rank else torch.empty(v.shape, dtype=v.dtype))
+                             if isinstance(v, _Described) else v for k, v in part[index].items()}
+        broadcast_tensors_([v for index in fresh for v in merged[index].values() if isinstance(v, Tensor)], src,
+                           device)
     return {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": local["param_groups"]}
+
+
+class _Described(NamedTuple):
+    """A state tensor as :func:`gather_optimizer_state` describes it to the other ranks."""
+
+    shape: torch.Size
+    dtype: torch.dtype
 
 
 def drop_foreign_state(optimizer: Optimizer, owned: set[int]) -> None:
