@@ -79,8 +79,11 @@ def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[r
     # Each tensor from its owner: a weight tied to an earlier block is current there, not on this block's stage.
     tensors = {id(t): t for i in moved for t in (*blocks[i].parameters(), *blocks[i].buffers())}
     senders = list(ranks) if ranks is not None else list(range(len(new)))
+    by_sender: dict[int, list[torch.Tensor]] = {}
     for tensor in tensors.values():
-        broadcast_tensors_([tensor], senders[owner_of(old, first[id(tensor)])], device)
+        by_sender.setdefault(senders[owner_of(old, first[id(tensor)])], []).append(tensor)
+    for sender, sent in by_sender.items():  # packed, one collective per sender (same order on every rank)
+        broadcast_tensors_(sent, sender, device)
     for i in moved:
         if owner_of(old, i) == stage:
             blocks[i].to("cpu")  # no longer this stage's: free the device
