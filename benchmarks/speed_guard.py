@@ -5,8 +5,8 @@ A smoke detector for regressions in the pipelined path (per window, per epoch, s
 fails only below a floor well under its measured ratio (a 2x regression falls below it, noise does not), and every
 ratio is printed so that CI's log keeps the history (docs/benchmarks.md, "Speed guard", keeps a table by version).
 A case's time is ``trainer.fit`` on rank 0, start-up (setup, the timed split, ``num_stages="auto"``'s profile and
-rebuild) and the end of training included; Python's imports and process starts are not. Default strategy settings
-but where a case names one::
+rebuild, as a first run pays them: every run gets an empty profile cache) and the end of training included;
+Python's imports and process starts are not. Default strategy settings but where a case names one::
 
     python benchmarks/speed_guard.py                       # 2 rounds, alternating 1 and 2 processes; best of each
     python benchmarks/speed_guard.py --delay-epoch-end 0.5  # checks the guard: every epoch end of the 2-process
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_naspipe as lnp
+from lightning_naspipe.integration.profile_cache import ENV as CACHE_ENV
 from common import launch, machine, ran_as_worker
 from spos_cnn import SposCNN, random_images
 from zoo_spaces import features_loader
@@ -134,8 +136,10 @@ def main() -> int:
         best = {1: float("inf"), 2: float("inf")}
         for _ in range(args.rounds):
             for processes in (1, 2):
-                result = launch(SCRIPT, {"case": index, "processes": processes,
-                                         "delay_epoch_end": args.delay_epoch_end})
+                with tempfile.TemporaryDirectory() as cache:  # start-up as a first run pays it, every time
+                    os.environ[CACHE_ENV] = cache
+                    result = launch(SCRIPT, {"case": index, "processes": processes,
+                                             "delay_epoch_end": args.delay_epoch_end})
                 if "error" in result:
                     print(f"speed guard: {case.name}: the {processes}-process run failed: {result['error']}")
                     break

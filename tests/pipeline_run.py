@@ -95,21 +95,22 @@ def main() -> None:
 
         placement_module.rebalanced = alternate  # type: ignore[assignment]
     if args.force_layout is not None:
-        import lightning_naspipe.integration.strategy as strategy_module
+        import lightning_naspipe.integration.pipeline_build as pipeline_build
 
         def forced(*args_: object, **kwargs: object) -> tuple[int, str]:
             return args.force_layout, f"forced layout: {args.force_layout} stages"
 
-        strategy_module.chosen_stages = forced  # type: ignore[assignment]
+        pipeline_build.chosen_stages = forced  # type: ignore[assignment]
     if args.fake_block_costs:
         import lightning_naspipe.planning.block_timing as block_timing
+        from lightning_naspipe.planning.block_cost import PathTimes
 
-        def fake_timing(supernet: object, example: torch.Tensor, **kwargs: object) -> list[float]:
-            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank times; one records it
+        def fake_timing(supernet: object, example: torch.Tensor, **kwargs: object) -> PathTimes:
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank times its share; one records it
                 torch.save({"input": example.clone(), "device": str(kwargs.get("device"))}, args.out + ".timed_on")
-            return list(args.fake_block_costs)
+            return PathTimes([[[cost]] for cost in args.fake_block_costs], [[[0.0]] for _ in args.fake_block_costs])
 
-        block_timing.timed_block_weights = fake_timing  # type: ignore[assignment]
+        block_timing.timed_share = fake_timing  # type: ignore[assignment]
 
     pl.seed_everything(7, verbose=False)
     model = ToyNet()

@@ -100,3 +100,46 @@ def test_the_update_costs_what_the_engine_steps_on_average_per_op_holding_state(
                             clock=lambda: _CLOCK[0], engine_seconds=0, action_overhead_ms=0.0)
     owners = sum(block.candidates[0].stateful for block in spec.blocks)
     assert owners == 2 and spec.update_ms * owners == pytest.approx((3 + 2) / 2)
+
+
+def test_shares_of_the_paths_join_into_the_one_measurement() -> None:
+    """Processes that each time a share of the paths (warm-up included) together time what one process does."""
+    def ops() -> list[list[nn.Module]]:
+        return [[nn.Linear(4, 8)], [nn.Linear(8, 8), nn.ReLU(), nn.Tanh()]]
+
+    def sgd(ops_: list[list[nn.Module]]) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for c in ops_ for op in c for p in op.parameters()], lr=0.1)
+
+    x = torch.randn(3, 4)
+    whole_ops, part_ops = ops(), [ops(), ops()]
+    whole = time_paths(whole_ops, x, repeats=2, optimizer=sgd(whole_ops), deferred=True)
+    parts = [time_paths(o, x, repeats=2, optimizer=sgd(o), deferred=True, share=(i, 2)) for i, o in enumerate(part_ops)]
+    assert [[len(v) for v in block] for block in parts[0].forward] == [[4], [2, 0, 2]]  # paths 0 and 2 of 3
+    assert [[len(v) for v in block] for block in parts[1].forward] == [[2], [0, 2, 0]]
+    merged = PathTimes.merged(parts)
+    for series in ("forward", "backward", "input_backward", "weight_backward", "variants"):
+        assert [[len(v) for v in block] for block in getattr(merged, series)] == \
+            [[len(v) for v in block] for block in getattr(whole, series)], series
+    assert len(merged.update) == len(whole.update) == 6
+    assert merged.forward[1][1] == parts[1].forward[1][1] and merged.forward[0][0] == [*parts[0].forward[0][0],
+                                                                                       *parts[1].forward[0][0]]
+    assert merged.cost_ms(1, 2)[0] > 0 and all(v > 0 for v in merged.deferred_ms(1, 0) or ())
+    with pytest.raises(ValueError, match=r"share must be \(index, count\)"):
+        time_paths(ops(), x, repeats=1, share=(2, 2))
+
+
+def test_profile_shares_join_into_the_profile_and_one_share_times_the_engine() -> None:
+    net = lnp.Supernet(nn.Linear(2, 2), lnp.ChoiceBlock([_Tick(1), _Tick(3), _Tick(8)]), nn.Linear(2, 2))
+    x = torch.randn(3, 2)
+    whole = profile_supernet(net, x, repeats=1, clock=lambda: _CLOCK[0], engine_seconds=0, action_overhead_ms=0.0)
+    shares = [profile.profile_share(net, x, clock=lambda: _CLOCK[0], share=(i, 2), engine_overhead=i == 1)
+              for i in range(2)]
+    assert shares[0].action_overhead_ms is None and shares[1].action_overhead_ms is not None
+    joined = profile.spec_of(net, shares)
+    assert [c.forward_ms for c in joined.blocks[1].candidates] == [c.forward_ms for c in whole.blocks[1].candidates]
+    assert joined.blocks[1].candidates[2].forward_ms == pytest.approx(8.0)
+    assert joined.action_overhead_ms == shares[1].action_overhead_ms
+    assert joined.blocks[1].candidates[0].deferred_ms is not None
+    # Without the deferred passes: None, which the planner models as a stage that never defers.
+    assert profile.spec_of(net, [profile.profile_share(net, x, deferred=False, engine_overhead=False)]
+                           ).blocks[1].candidates[0].deferred_ms is None

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.planning.block_timing import agreed_timed_weights, timed_block_weights
+from lightning_naspipe.planning.block_cost import PathTimes
+from lightning_naspipe.planning.block_timing import (agreed_timed_weights, spec_weights, timed_block_weights,
+                                                    timed_share, weights_of)
 from lightning_naspipe.pipeline.partition import balanced_split, block_weights, stage_ranges
 
 
@@ -45,23 +47,33 @@ def test_timing_a_wrong_example_input_names_the_block_and_the_fix() -> None:
         timed_block_weights(_conv_net(), torch.randn(4, 5))  # 5 features, not a 3-channel image
 
 
-def test_timed_weights_are_every_ranks_mean_and_errors_reach_every_rank() -> None:
-    net = _conv_net()
-    mine = timed_block_weights(net, torch.randn(2, 3, 8, 8))
-    gathered: list = []
+def test_ranks_time_a_share_each_and_agree_on_the_joined_weights_and_on_errors() -> None:
+    net, example = _conv_net(), torch.randn(2, 3, 8, 8)
+    shares = [timed_share(net, example, repeats=1, share=(rank, 2)) for rank in range(2)]
+    # The choices' two candidates: one rank times each; the fixed blocks: both ranks.
+    assert [len(v) for v in shares[0].forward[1]] == [1, 0] and [len(v) for v in shares[1].forward[1]] == [0, 1]
+    assert len(shares[0].forward[0][0]) == len(shares[1].forward[0][0]) == 1
+    sent: list = []
 
-    def two_ranks(value: object) -> list:  # this rank's timing, and another rank's of twice those times
-        gathered.append(value)
-        return [value, ([2 * w for w in mine], "")]
+    def gather(value: object) -> list:  # what each rank sent, the same parts on every rank
+        sent.append(value)
+        return [(shares[0], ""), (shares[1], "")]
 
-    weights = agreed_timed_weights(net, torch.randn(2, 3, 8, 8), two_ranks)
-    assert gathered[0][1] == "" and len(weights) == len(mine)
-    assert all(w > 0 for w in weights)
-    elsewhere = agreed_timed_weights(net, torch.randn(2, 3, 8, 8), lambda value: [([1.0, 2.0, 3.0], ""),
-                                                                                  ([3.0, 4.0, 5.0], "")])
-    assert elsewhere == [2.0, 3.0, 4.0]  # the mean, the same on every rank
+    weights = [agreed_timed_weights(net, example, gather, share=(rank, 2), repeats=1) for rank in range(2)]
+    assert weights[0] == weights[1] == weights_of(PathTimes.merged(shares))
+    assert all(message == "" and [len(v) for v in times.forward[1]] == ([1, 0], [0, 1])[rank]
+               for rank, (times, message) in enumerate(sent))
     with pytest.raises(lnp.NASPipeConfigError, match="Timing block 0 failed"):
-        agreed_timed_weights(net, torch.randn(2, 3, 8, 8), lambda value: [value, (None, "Timing block 0 failed")])
+        agreed_timed_weights(net, example, lambda value: [value, (None, "Timing block 0 failed")])
+
+
+def test_a_profile_gives_the_split_its_weights() -> None:
+    from lightning_naspipe.planning.profile import profile_supernet
+
+    net, example = _conv_net(), torch.randn(4, 3, 48, 48)
+    spec = profile_supernet(net, example, repeats=1, engine_seconds=0, deferred=False, action_overhead_ms=0.0)
+    assert spec_weights(spec) == [block.cost_ms / 1000 for block in spec.blocks]
+    assert len(spec_weights(spec)) == len(net) and spec_weights(spec)[1] > spec_weights(spec)[5]  # as timed
 
 
 class _Pair(nn.Module):

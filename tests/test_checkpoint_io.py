@@ -16,7 +16,7 @@ import torch
 
 import lightning_naspipe as lnp
 from helpers import train
-from lightning_naspipe.integration.checkpoint_io import atomic_save
+from lightning_naspipe.integration.checkpoint_io import atomic_save, atomic_write
 
 
 def _leftovers(folder: Path) -> list[str]:
@@ -27,6 +27,12 @@ def test_atomic_save_writes_a_loadable_file_and_nothing_else(tmp_path: Path) -> 
     atomic_save({"w": torch.arange(4)}, tmp_path / "sub" / "a.ckpt")
     assert torch.equal(torch.load(tmp_path / "sub" / "a.ckpt")["w"], torch.arange(4))
     assert _leftovers(tmp_path / "sub") == []
+
+
+def test_atomic_write_writes_any_bytes_and_leaves_nothing_else(tmp_path: Path) -> None:
+    atomic_write(tmp_path / "a.json", lambda file: file.write(b"{}") and None)
+    atomic_write(tmp_path / "a.json", lambda file: file.write(b"[1]") and None)
+    assert (tmp_path / "a.json").read_bytes() == b"[1]" and _leftovers(tmp_path) == []
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +59,7 @@ def test_the_next_write_removes_what_a_killed_write_left(tmp_path: Path) -> None
 
 WRITER = """
 import sys, torch
-from lightning_naspipe.integration.checkpoint_io import atomic_save
+from lightning_naspipe.integration.checkpoint_io import atomic_save, atomic_write
 big = torch.zeros(8_000_000)  # 32 MB: a write takes long enough to be killed inside it
 version = 0
 while True:

@@ -16,7 +16,7 @@ from torch import nn
 import lightning_naspipe as lnp
 from lightning_naspipe.planning import planner
 from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.planning.planner import best_layout, plan, plan_layouts, simulate
+from lightning_naspipe.planning.planner import best_layout, fitting_layouts, plan, plan_layouts, simulate
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
 from lightning_naspipe.planning.stalls import CAUSES
 from lightning_naspipe.planning import profile_supernet
@@ -151,6 +151,8 @@ def test_layouts_are_every_divisor_that_fits_the_blocks_and_the_chunks() -> None
     assert [p.layout for p in plan_layouts(spec, 6, 4, chunks=6)] == ["1x6", "2x3", "3x2"]  # 6 stages > 5 blocks
     with pytest.raises(ValueError, match="multiple of replicas=2"):
         simulate(spec, 1, 4, chunks=3, replicas=2)
+    assert fitting_layouts(4, 5, 4) == [(1, 4), (2, 2), (4, 1)] and fitting_layouts(6, 5, 6) == [(1, 6), (2, 3), (3, 2)]
+    assert fitting_layouts(2, 5, 1) == [(2, 1)] and fitting_layouts(3, 2, 1) == []  # 3 stages > 2 blocks, 1 chunk
 
 
 def test_replicas_share_the_compute_of_a_space_stages_cannot_overlap() -> None:

@@ -31,3 +31,13 @@ def test_wide_spec_has_equal_stateful_candidates() -> None:
     spec = wide_spec(5, blocks=3, block_ms=2.0)
     assert spec.labels() == {"block0": 5, "block1": 5, "block2": 5}
     assert all(c == CandidateSpec(2.0, 4.0, True) for b in spec.blocks for c in b.candidates)
+
+
+def test_compute_scaled_scales_compute_and_keeps_the_rest() -> None:
+    spec = SpaceSpec([BlockSpec(None, [CandidateSpec(1, 2, True, False, 0.5, 1.5, grad_bytes=8)]),
+                      BlockSpec("x", [CandidateSpec(3, 4), CandidateSpec(5, 6, False)])], update_ms=0.2, sync_ms=1.0)
+    doubled = spec.compute_scaled(lambda ms: ms * 2)
+    assert doubled.blocks[0].candidates[0] == CandidateSpec(2, 4, True, False, 1.0, 3.0, grad_bytes=8)
+    assert doubled.blocks[1].candidates == [CandidateSpec(6, 8), CandidateSpec(10, 12, False)]
+    assert (doubled.update_ms, doubled.sync_ms, doubled.blocks[1].label) == (0.2, 1.0, "x")
+    assert spec.blocks[0].candidates[0].forward_ms == 1  # a copy

@@ -1,27 +1,24 @@
 """``NASPipeStrategy(num_stages="auto")``: the stages x replicas layout the planner predicts fastest.
 
 Results never depend on the layout (see ``docs/design.md``, "Stages x replicas"), so the choice is free.
-Rank 0 profiles the supernet on the first training batch (each block's candidates timed forward and
-backward, :func:`~lightning_naspipe.planning.profile.profile_supernet`), the planner simulates every layout of
-the processes that leaves a training step's ``subnets * chunks`` micro-batches a multiple of the replicas
-(:func:`~.planner.plan_layouts`), and every
-rank takes rank 0's choice. The run's overheads (messages, Lightning's per-window work) are not measured
-then: the planner takes the medians calibrated on a 2-core CPU host (``docs/planner.md``), or none on CUDA.
+On the first training batch the supernet is profiled on its first micro-batch (each block's candidates timed
+forward and backward, :func:`~lightning_naspipe.planning.profile.profile_share`, every rank a share of them at once,
+or read from the disk cache: :mod:`.startup`), the planner simulates every layout of the processes that leaves a
+training step's ``subnets * chunks`` micro-batches a multiple of the replicas (:func:`~.planner.plan_layouts`; where
+only one layout fits, nothing is profiled), and every rank takes rank 0's choice. The run's overheads (messages,
+Lightning's per-window work) are not measured then: the planner takes the medians calibrated on a 2-core CPU host
+(``docs/planner.md``), or none on CUDA.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any, TypedDict
 
-import torch
-
-from lightning_naspipe.planning.planner import best_layout, plan_layouts
-from lightning_naspipe.planning.profile import profile_supernet
-from lightning_naspipe.space.supernet import BlockValue, Supernet
-from lightning_naspipe.transport.boundary import map_tensors
+from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.planning.planner import best_layout, fitting_layouts, plan_layouts
+from lightning_naspipe.planning.space_spec import SpaceSpec
 
 __all__ = ["CPU_OVERHEADS", "Overheads", "chosen_stages"]
 
@@ -45,21 +42,47 @@ CPU_OVERHEADS = Overheads(subnet_overhead_ms=0.22, step_overhead_ms=0.32, messag
                           sync_ms=0.38, message_ms_per_mb=1.0)
 
 
-def chosen_stages(supernet: Supernet, example: BlockValue, processes: int, chunks: int, window: int,
-                  is_global_zero: bool, broadcast: Callable[[Any], Any], device: torch.device,
-                  subnets: int = 1) -> tuple[int, str]:
+def chosen_stages(profile: Callable[[bool], SpaceSpec], processes: int, blocks: int, chunks: int, window: int,
+                  is_global_zero: bool, broadcast: Callable[[Any], Any], device_type: str, subnets: int = 1,
+                  defer_weight_grads: bool | None = None) -> tuple[int, str]:
     """The number of stages for ``processes`` (the rest replicas), chosen on rank 0 and ``broadcast`` to every
-    rank (collective), and a line for the log naming every layout's predicted rate. ``subnets``: per training
-    step (replicas share a step's ``subnets * chunks`` micro-batches, so more layouts fit)."""
+    rank (collective), and a line for the log naming every layout's predicted rate.
+
+    Args:
+        profile: ``profile(deferred)`` is the profile of one micro-batch, with the deferred backward's passes if
+            ``deferred`` (called on every rank, collective), unless only one layout fits.
+        processes: every rank of the run.
+        blocks: the supernet's.
+        chunks: micro-batches per subnet.
+        window: subnets per window.
+        is_global_zero: whether this is rank 0, which plans.
+        broadcast: rank 0's value on every rank.
+        device_type: ``"cpu"`` plans with :data:`CPU_OVERHEADS`.
+        subnets: per training step (replicas share a step's ``subnets * chunks`` micro-batches, so more layouts fit).
+        defer_weight_grads: ``NASPipeStrategy``'s; the profile times the passes where the plan uses them.
+
+    Raises:
+        NASPipeConfigError: no layout of ``processes`` fits.
+    """
+    fits = fitting_layouts(processes, blocks, chunks * subnets)
+    if not fits:
+        raise NASPipeConfigError(
+            f"num_stages='auto' finds no layout of {processes} processes for {blocks} blocks and {chunks * subnets} "
+            "micro-batches per training step: the stages must divide the processes and be at most the blocks, and "
+            "the replicas (processes / stages) must divide chunks x subnets per step. Use fewer devices or a chunks "
+            "that they divide, or pass num_stages=<int>.")
+    if len(fits) == 1:
+        return fits[0][0], (f"NASPipe: num_stages='auto' chose {fits[0][0]} stage(s) x {fits[0][1]} replica(s), the "
+                            f"only layout of {processes} processes that fits (not profiled)")
+    # The planner models deferred weight gradients only at chunks x subnets 1, or where they are forced on.
+    spec = profile(defer_weight_grads is True or (defer_weight_grads is None and chunks * subnets == 1))
     choice: tuple[int, str] | None = None
     if is_global_zero:
-        whole = copy.deepcopy(supernet)  # with every block, on this rank's device
-        whole.local_blocks = None
-        spec = profile_supernet(whole.to(device), map_tensors(lambda t: t.to(device), example), repeats=1,
-                                engine_seconds=0)
-        if device.type == "cpu":
+        spec = spec.compute_scaled(lambda ms: ms * chunks)  # one micro-batch's compute -> a subnet batch's
+        if device_type == "cpu":
             spec = dataclasses.replace(spec, **CPU_OVERHEADS)
-        predictions = plan_layouts(spec, processes, window, chunks, subnets_per_step=subnets)
+        predictions = plan_layouts(spec, processes, window, chunks, subnets_per_step=subnets,
+                                   defer_weight_grads=defer_weight_grads)
         best = best_layout(predictions)
         rates = ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}" for p in predictions)
         unit = "subnets/s" if subnets == 1 else f"training steps/s ({subnets} subnets each)"
@@ -67,4 +90,3 @@ def chosen_stages(supernet: Supernet, example: BlockValue, processes: int, chunk
                                f"replica(s); predicted {unit} per stages x replicas: {rates}")
     stages, message = broadcast(choice)
     return int(stages), str(message)
-

@@ -14,21 +14,28 @@ from __future__ import annotations
 import os
 import tempfile
 import types
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from lightning_naspipe.namespaces import Namespace, installed
 
-__all__ = ["atomic_save", "atomic_checkpoint_io"]
+__all__ = ["atomic_checkpoint_io", "atomic_save", "atomic_write"]
 
 _SUFFIX = ".naspipe-partial"
 
 
 def atomic_save(checkpoint: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(checkpoint, path)`` so that ``path`` never holds a partly written file."""
+    atomic_write(path, lambda file: torch.save(checkpoint, file))
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
+    """``write(file)`` into ``path`` so that ``path`` never holds a partly written file: a hidden temporary
+    file in the same folder, fsynced and renamed over it."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{target.name}.*{_SUFFIX}"):  # from a write that was killed
@@ -37,7 +44,7 @@ def atomic_save(checkpoint: Any, path: str | os.PathLike[str]) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as file:
-            torch.save(checkpoint, file)
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, target)

@@ -5,15 +5,17 @@ the engine), at ``setup`` and again when ``num_stages="auto"`` chooses another l
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+from lightning_naspipe.integration.auto_layout import chosen_stages
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.stage_placement import StagePlacement
+from lightning_naspipe.integration.startup import StartupMeasures
 from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.pipeline.microbatch import split_batch
 from lightning_naspipe.pipeline.partition import stage_ranges
-from lightning_naspipe.planning.block_timing import agreed_timed_weights
 from lightning_naspipe.transport.distributed import gather_objects
 from lightning_naspipe.pipeline.telemetry import StageTelemetry
 from lightning_naspipe.space.supernet import supernet_of
@@ -89,12 +91,33 @@ class PipelineBuilding(StagePlacement):
         example = self.lightning_module.pipeline_input(batch)  # type: ignore[operator]
         weights = self._timed_weights(example)
         self._split_costs = (weights, "ms")
+        start = time.perf_counter()
         self._move_to(stage_ranges(supernet, self.layout.stages, None, weights),
                       "balanced by block time measured on the first batch")
+        self._startup.record("moving blocks", time.perf_counter() - start)
 
     def _timed_weights(self, example: Any) -> list[float]:
         """Each block's time on one micro-batch of ``example`` (what the first block receives for one subnet
-        batch), as a stage runs it: every rank times at once and the mean is agreed (collective)."""
-        piece = split_batch(example, self.chunks)[0][0]
-        return agreed_timed_weights(supernet_of(self.lightning_module), piece,
-                                    lambda value: gather_objects(value, self.world_size), self.root_device)
+        batch), as a stage runs it: from this run's profile or the cache, else timed by every rank at once, a
+        share each, and joined (collective; :mod:`.startup`)."""
+        return self._startup.split_weights(split_batch(example, self.chunks)[0][0])
+
+    def _init_startup(self) -> None:
+        """This fit's start-up measurements (:mod:`.startup`), at setup."""
+        self._startup = StartupMeasures(supernet_of(self.lightning_module), self.root_device, self.global_rank,
+                                        self.world_size, lambda value: gather_objects(value, self.world_size),
+                                        self.broadcast)
+
+    def _chosen_layout(self, batch: Any) -> int:
+        """``num_stages="auto"``'s stages for the run, planned on a micro-batch of ``batch`` (collective; the
+        choice is logged); with several stages and no ``balance``, the split's weights come from the profile."""
+        module = cast(Any, self.lightning_module)
+        micro = split_batch(module.pipeline_input(batch), self.chunks)[0][0]
+        subnets = len(module.sample_step(module.global_step))  # every step of a run trains as many
+        stages, message = chosen_stages(lambda deferred: self._startup.profile(micro, deferred), self.world_size,
+                                        len(supernet_of(module)), self.chunks, self.window, self.is_global_zero,
+                                        self.broadcast, self.root_device.type, subnets, self.defer_weight_grads)
+        self._info(message)
+        if stages > 1 and stages != self.layout.stages and self.balance is None:
+            self._split_costs = (self._startup.split_weights(micro), "ms")  # the rebuild splits by them
+        return stages

@@ -10,17 +10,17 @@ the training hooks and the data.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_naspipe.integration.arguments import check_all
-from lightning_naspipe.integration.auto_layout import chosen_stages
 from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
 from lightning_naspipe.integration.binding import bind_classes
 from lightning_naspipe.integration.callback import StageWeightsSync
@@ -79,16 +79,18 @@ class NASPipeStrategy(PipelineBuilding):
             the subnets per step must be a multiple of the replicas; refused at the first training window
             otherwise), and the replicas sum their gradients in micro-batch order: results never depend
             on the layout. ``"auto"``: the layout the planner predicts fastest, chosen on the first training
-            batch (rank 0 profiles the supernet on it, ~1-10 s; logged): the run starts with one stage per
-            process and, if another layout wins, makes every rank whole and rebuilds the pipeline before the
-            first window trains. Only layouts that leave a training step's ``subnets * chunks`` a multiple of
-            the replicas are considered.
-        balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward
-            and backward time on one micro-batch, measured on every rank at once and averaged, on the
+            batch (every rank profiles a share of the supernet on its first micro-batch; logged): the run starts
+            with one stage per process and, if another layout wins, makes every rank whole and rebuilds the
+            pipeline before the first window trains. Only layouts that leave a training step's ``subnets * chunks``
+            a multiple of the replicas are considered.
+        balance: blocks per stage, e.g. ``[3, 2, 4]``; default: balanced by each block's forward and backward
+            time on one micro-batch, measured by every rank at once (a share of the candidates each), on the
             module's ``supernet_example_input`` when it sets one, else on the first training batch
-            (``pipeline_input`` of it, on each rank's device): the run starts on a split by parameter
-            counts and moves blocks, with their weights and optimizer state, before the first window
-            trains. Results never depend on the split.
+            (``pipeline_input`` of it, on each rank's device): the run starts on a split by parameter counts and
+            moves blocks, with their weights and optimizer state, before the first window trains. Results never
+            depend on the split. That timing and ``"auto"``'s profile are cached on disk by space, device and input
+            shape (``LIGHTNING_NASPIPE_CACHE``: the folder, ``0``: off; default ``~/.cache/lightning_naspipe``):
+            reruns and resumes skip them. The log says what setup cost.
         schedule: ``"csp"`` (NASPipe); or, for comparison, ``"one_in_flight"`` (one subnet in the
             pipeline at a time, the research artifact's reproducible baseline), ``"gpipe"`` (the
             same with micro-batches filling and draining the pipeline per subnet; use ``chunks > 1``),
@@ -211,6 +213,7 @@ class NASPipeStrategy(PipelineBuilding):
         if self.num_stages == "auto":  # one stage per process until the first training batch chooses
             self._stages = None
         self._choose_layout = self.num_stages == "auto" and self.world_size > 1 and trainer.training
+        self._init_startup()
         weights = None
         if self.balance is None and example is not None and self.world_size > 1:
             weights = self._timed_weights(example)
@@ -236,6 +239,7 @@ class NASPipeStrategy(PipelineBuilding):
         every rank first gets every block's weights and optimizer state."""
         if stages == self.layout.stages:
             return
+        start = time.perf_counter()
         self._make_whole()
         self._release_engine()
         self._stages = stages
@@ -244,6 +248,7 @@ class NASPipeStrategy(PipelineBuilding):
             drop_foreign_state(self.optimizers[0], self._owned())
         self.model_to_device()
         self._wire_engine()
+        self._startup.record("layout rebuild", time.perf_counter() - start)
 
     def _wire_engine(self) -> None:
         """Connect the engine to the training run (after Lightning's training start)."""
@@ -273,17 +278,12 @@ class NASPipeStrategy(PipelineBuilding):
                                 "the layout choice, the split's timing or a rebalancing check"):
             if self._choose_layout:
                 self._choose_layout = False
-                module = cast(Any, self.lightning_module)
-                example = module.pipeline_input(batch[0])
-                subnets = len(module.sample_step(module.global_step))  # every step of a run trains as many
-                stages, message = chosen_stages(supernet_of(module), example, self.world_size, self.chunks,
-                                                self.window, self.is_global_zero, self.broadcast, self.root_device,
-                                                subnets)
-                self._info(message)
-                self._switch_layout(stages)
+                self._switch_layout(self._chosen_layout(batch[0]))
             if self._time_first_batch:
                 self._time_first_batch = False
                 self._balance_by_time(batch[0])
+            if (setup := self._startup.report()) is not None:
+                self._info(setup)
             self._windows += 1
             if self._rebalances_before(self._windows):
                 self._rebalance()

@@ -16,7 +16,7 @@ uniformly sampled subnet's pick.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,21 @@ class PathTimes:
         return (self._reduce(self.input_backward, block, candidate),
                 self._reduce(self.weight_backward, block, candidate))
 
+    @classmethod
+    def merged(cls, parts: Sequence[PathTimes]) -> PathTimes:
+        """The times of ``parts`` (:func:`time_paths`' shares of one set of paths, e.g. one per process) as one
+        measurement: per block and candidate the parts' values in order, so every process that merges the same
+        parts in the same order reduces them to the same costs."""
+        def joined(series: Callable[[PathTimes], list[list[list[Any]]]]) -> list[list[list[Any]]]:
+            return [[[v for part in parts for v in series(part)[i][k]] for k in range(len(block))]
+                    for i, block in enumerate(series(parts[0]))]
+
+        def variants(part: PathTimes) -> list[list[list[tuple[int, ...]]]]:
+            return part.variants or [[[()] * len(k) for k in block] for block in part.forward]
+
+        return cls(joined(lambda p: p.forward), joined(lambda p: p.backward), [v for p in parts for v in p.update],
+                   joined(variants), joined(lambda p: p.input_backward), joined(lambda p: p.weight_backward))
+
     def _reduce(self, series: list[list[list[float]]], block: int, candidate: int) -> float:
         seconds = series[block][candidate]
         picks = self.variants[block][candidate] if self.variants else [()] * len(seconds)
@@ -88,7 +103,8 @@ class PathTimes:
 
 def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: int,
                clock: Callable[[], float] = time.perf_counter,
-               optimizer: torch.optim.Optimizer | None = None, deferred: bool = False) -> PathTimes:
+               optimizer: torch.optim.Optimizer | None = None, deferred: bool = False,
+               share: tuple[int, int] = (0, 1)) -> PathTimes:
     """Train paths through ``ops`` (per block, its candidates) and time every block of each.
 
     One warm-up round, then ``repeats`` rounds of as many paths as the most candidates of any choice
@@ -99,7 +115,10 @@ def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: i
     engine updates a subnet. With ``deferred``, each path then runs once more, cut at every block
     boundary as training runs it, with each block's weight gradients deferred (:mod:`...weight_grads`),
     timing the two passes (:attr:`PathTimes.input_backward`, :attr:`PathTimes.weight_backward`).
-    Modifies the ops (gradients, buffers, optimizer state): time copies.
+    ``share=(index, count)``: run only the paths ``p`` (warm-up and timed rounds alike) with ``p % count == index``,
+    so ``count`` processes each time a share of the paths at once and :meth:`PathTimes.merged` joins their parts
+    (a candidate timed by no share gets no values). Modifies the ops (gradients, buffers, optimizer state): time
+    copies.
 
     Raises:
         BlockFailure: a block's forward or the backward raised.
@@ -116,7 +135,12 @@ def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: i
     times = PathTimes(per_candidate(), per_candidate(), variants=[[[] for _ in c] for c in ops],
                       input_backward=per_candidate() if deferred else [],
                       weight_backward=per_candidate() if deferred else [])
+    index, count = share
+    if not 0 <= index < count:
+        raise ValueError(f"share must be (index, count) with 0 <= index < count, got {share}")
     for run in range((repeats + 1) * paths):  # the first round warms up kernels and optimizer state
+        if run % paths % count != index:
+            continue
         picks = [run % len(c) for c in ops]
         # Nested choices cycle through their candidates too, so a cell costs what a sampled cell does.
         inside = {label: run % count for label, count in nested.items()}

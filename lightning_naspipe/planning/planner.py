@@ -13,7 +13,7 @@ supernet. See ``docs/planner.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -24,9 +24,9 @@ from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action
 from lightning_naspipe.pipeline.schedule import SCHEDULES, build_schedule, scheduling_resources
 from lightning_naspipe.planning.deferral import deferring, passes
 from lightning_naspipe.planning.stalls import CAUSES, SEND, analyse_stage
-from lightning_naspipe.planning.space_spec import BlockSpec, SpaceSpec
+from lightning_naspipe.planning.space_spec import SpaceSpec
 
-__all__ = ["TICKS_PER_MS", "Prediction", "best_layout", "plan", "plan_layouts", "simulate", "table"]
+__all__ = ["TICKS_PER_MS", "Prediction", "best_layout", "fitting_layouts", "plan", "plan_layouts", "simulate", "table"]
 
 #: Simulation clock: 1 tick = 10 µs; every action lasts at least one tick.
 TICKS_PER_MS = 100
@@ -274,9 +274,15 @@ def plan_layouts(spec: SpaceSpec, processes: int, window: int = 16, chunks: int 
     times a subnet's compute in ``subnets_per_step * chunks`` micro-batches and one update (:func:`_steps_of`), and
     the rates count steps. ``kwargs`` go to :func:`simulate` (its ``subnets``: how many to simulate)."""
     spec, chunks = _steps_of(spec, chunks, subnets_per_step)
-    layouts = [(s, processes // s) for s in range(1, processes + 1)
-               if processes % s == 0 and s <= len(spec.blocks) and chunks % (processes // s) == 0]
-    return [simulate(spec, s, window, chunks, schedule, replicas=d, **kwargs) for s, d in layouts]
+    return [simulate(spec, s, window, chunks, schedule, replicas=d, **kwargs)
+            for s, d in fitting_layouts(processes, len(spec.blocks), chunks)]
+
+
+def fitting_layouts(processes: int, blocks: int, micro_batches: int) -> list[tuple[int, int]]:
+    """``(stages, replicas)`` of every layout :func:`plan_layouts` weighs: ``stages`` divides ``processes``, is at
+    most ``blocks``, and the replicas divide a training step's ``micro_batches`` (``subnets * chunks``)."""
+    return [(s, processes // s) for s in range(1, processes + 1)
+            if processes % s == 0 and s <= blocks and micro_batches % (processes // s) == 0]
 
 
 def _steps_of(spec: SpaceSpec, chunks: int, subnets: int) -> tuple[SpaceSpec, int]:
@@ -288,19 +294,7 @@ def _steps_of(spec: SpaceSpec, chunks: int, subnets: int) -> tuple[SpaceSpec, in
         raise ValueError(f"subnets_per_step must be >= 1, got {subnets}")
     if subnets == 1:
         return spec, chunks
-    return replace(spec, blocks=_compute_scaled(spec, lambda ms: ms * subnets)), chunks * subnets
-
-
-def _compute_scaled(spec: SpaceSpec, scale: Callable[[float], float]) -> list[BlockSpec]:
-    """``spec``'s blocks with ``scale`` applied to every candidate's compute times (forward, backward, and the
-    deferred backward's two passes where measured)."""
-    def scaled(ms: float | None) -> float | None:
-        return None if ms is None else scale(ms)
-
-    return [BlockSpec(b.label, [replace(c, forward_ms=scale(c.forward_ms), backward_ms=scale(c.backward_ms),
-                                        input_backward_ms=scaled(c.input_backward_ms),
-                                        weight_backward_ms=scaled(c.weight_backward_ms)) for c in b.candidates])
-            for b in spec.blocks]
+    return spec.compute_scaled(lambda ms: ms * subnets), chunks * subnets
 
 
 def best_layout(predictions: Sequence[Prediction]) -> Prediction:
@@ -312,7 +306,7 @@ def _replica_share(spec: SpaceSpec, replicas: int) -> SpaceSpec:
     """The space as one replica of ``replicas`` sees it: each candidate's compute is the replica's share of the
     batch; each subnet's update on a stage waits for the chained reduction of its gradients there (``replicas - 1``
     messages down, as many back: :func:`_stage_costs`), and each window for the gather of the last stage's losses."""
-    return replace(spec, blocks=_compute_scaled(spec, lambda ms: ms / replicas), reduce_hops=2.0 * (replicas - 1),
+    return replace(spec.compute_scaled(lambda ms: ms / replicas), reduce_hops=2.0 * (replicas - 1),
                    sync_ms=spec.sync_ms + spec.message_ms + spec.message_cpu_ms)
 
 

@@ -8,7 +8,8 @@ engine runs it, and the engine's own per-action overhead on a stand-in of 1x1 op
 of the supernet inside a forked RNG: the user's weights, gradients, buffers and the global RNG are
 left untouched. The costs that depend on the run rather than the space (Lightning's loop, the
 transport, shared cores) are passed in as ``**overheads``; ``benchmarks/overhead_harness.py``
-measures them.
+measures them. Several processes can profile one space at once, each a share of the paths
+(:func:`profile_share`), and every process joins the shares into the same :class:`SpaceSpec` (:func:`spec_of`).
 """
 
 from __future__ import annotations
@@ -17,22 +18,23 @@ import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.transport.boundary import tensors_in
+from lightning_naspipe.transport.boundary import map_tensors, tensors_in
 from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.planning.block_cost import holds_state, time_paths
+from lightning_naspipe.planning.block_cost import PathTimes, holds_state, time_paths
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
 from lightning_naspipe.pipeline.sampling import uniform_architecture
 from lightning_naspipe.space.choice import ChoiceBlock, candidates_of
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 
-__all__ = ["profile_supernet"]
+__all__ = ["ProfileShare", "profile_share", "profile_supernet", "spec_of"]
 
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
 
@@ -43,7 +45,7 @@ def _default_optimizer(params: list[Tensor]) -> torch.optim.Optimizer:
 
 def profile_supernet(supernet: Supernet, sample_input: BlockValue, repeats: int = 3,
                      optimizer: OptimizerFactory = _default_optimizer, clock: Callable[[], float] = time.perf_counter,
-                     engine_seconds: float = 2.0, **overheads: float) -> SpaceSpec:
+                     engine_seconds: float = 2.0, deferred: bool = True, **overheads: float) -> SpaceSpec:
     """Time each block's candidates, the optimizer update and the engine's own overhead.
 
     Args:
@@ -59,6 +61,10 @@ def profile_supernet(supernet: Supernet, sample_input: BlockValue, repeats: int 
             least 16 subnets) and scale every compute cost so that the profile predicts that run: timed
             one at a time, blocks run 4-13% faster than in training, which cycles through every
             candidate's weights. ``0`` keeps the timed costs.
+        deferred: also time each candidate's backward as two passes, input then weight gradients
+            (``input_backward_ms``/``weight_backward_ms``); ``False`` halves the time the profile takes and leaves
+            them ``None``, which the planner models as stages that never defer (as the engine does at ``chunks > 1``
+            unless ``defer_weight_grads=True``).
         **overheads: other :class:`SpaceSpec` fields (``message_ms``, ``step_overhead_ms``, ...), which
             depend on the run, not the space; ``action_overhead_ms`` defaults to the engine's, measured.
 
@@ -66,20 +72,58 @@ def profile_supernet(supernet: Supernet, sample_input: BlockValue, repeats: int 
         The space's :class:`SpaceSpec`, blocks and labels as in ``supernet``.
     """
     with torch.random.fork_rng(devices=[]):
-        blocks, update_ms = _profile_blocks(copy.deepcopy(supernet), sample_input, optimizer, repeats, clock)
-        if "action_overhead_ms" not in overheads:
-            overheads["action_overhead_ms"] = _engine_overhead(supernet, clock)
-        spec = SpaceSpec(blocks, update_ms=update_ms, **overheads)
+        share = profile_share(supernet, sample_input, repeats, optimizer, clock, deferred,
+                              engine_overhead="action_overhead_ms" not in overheads)
+        spec = spec_of(supernet, [share], **overheads)
         if engine_seconds > 0:
             _scale_to_engine(spec, copy.deepcopy(supernet), sample_input, optimizer, clock, engine_seconds)
         return spec
 
 
-def _profile_blocks(net: Supernet, x: Any, optimizer: OptimizerFactory, repeats: int,
-                    clock: Callable[[], float]) -> tuple[list[BlockSpec], float]:
-    """Per-candidate costs, and the update's per resource, training paths through every candidate."""
+@dataclass
+class ProfileShare:
+    """One process's part of a profile (:func:`profile_share`): its paths' times and, from one process, the engine's
+    per-action overhead (``None`` from the others); :func:`spec_of` joins the parts of every process."""
+
+    times: PathTimes
+    action_overhead_ms: float | None = None
+
+
+def profile_share(supernet: Supernet, sample_input: BlockValue, repeats: int = 1,
+                  optimizer: OptimizerFactory = _default_optimizer, clock: Callable[[], float] = time.perf_counter,
+                  deferred: bool = True, share: tuple[int, int] = (0, 1), engine_overhead: bool = True,
+                  device: torch.device | None = None) -> ProfileShare:
+    """This process's share of :func:`profile_supernet`'s timings (without its ``engine_seconds`` scaling):
+    the paths :func:`~.block_cost.time_paths` deals to ``share=(index, count)``, and with ``engine_overhead`` the
+    engine's per-action overhead, so that ``count`` processes profile a space at once, each a share, and
+    :func:`spec_of` joins their parts (the same :class:`SpaceSpec` wherever the same parts are joined in the same
+    order). Times a copy of ``supernet`` on ``device`` (default: where it is) inside a forked RNG.
+
+    Raises:
+        BlockFailure: a block cannot run on ``sample_input`` (or on the previous block's output).
+    """
+    with torch.random.fork_rng(devices=[]):
+        net = copy.deepcopy(supernet)
+        if device is not None:
+            net, sample_input = net.to(device), map_tensors(lambda t: t.to(device), sample_input)
+        times = time_paths([candidates_of(b) for b in net.blocks], sample_input, repeats, clock,
+                           optimizer(list(net.parameters())), deferred=deferred, share=share)
+        return ProfileShare(times, _engine_overhead(supernet, clock) if engine_overhead else None)
+
+
+def spec_of(supernet: Supernet, shares: Sequence[ProfileShare], **overheads: float) -> SpaceSpec:
+    """The :class:`SpaceSpec` of ``supernet`` from every share of its profile (:func:`profile_share`), in order;
+    ``overheads`` as :func:`profile_supernet`'s (a measured ``action_overhead_ms`` is the default)."""
+    measured = [s.action_overhead_ms for s in shares if s.action_overhead_ms is not None]
+    if measured and "action_overhead_ms" not in overheads:
+        overheads["action_overhead_ms"] = measured[0]
+    blocks, update_ms = _blocks_of(supernet, PathTimes.merged([s.times for s in shares]))
+    return SpaceSpec(blocks, update_ms=update_ms, **overheads)
+
+
+def _blocks_of(net: Supernet, times: PathTimes) -> tuple[list[BlockSpec], float]:
+    """Per-candidate costs, and the update's per resource, from the times of paths through every candidate."""
     ops = [candidates_of(b) for b in net.blocks]
-    times = time_paths(ops, x, repeats, clock, optimizer(list(net.parameters())), deferred=True)
     blocks = [BlockSpec(block.label if isinstance(block, ChoiceBlock) else None,
                         [_candidate(times, i, k, op) for k, op in enumerate(ops[i])])
               for i, block in enumerate(net.blocks)]
@@ -124,7 +168,7 @@ def _candidate(times: Any, block: int, k: int, op: torch.nn.Module) -> Candidate
                          sum(p.numel() * p.element_size() for p in op.parameters() if p.requires_grad))
 
 
-def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4, subnets: int = 64) -> float:
+def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4, subnets: int = 32) -> float:
     """Milliseconds per action the one-stage engine spends beyond the profiled compute (bookkeeping,
     sampling, scheduling, the loss call): a stand-in supernet with the same blocks, labels and candidate
     counts but 1x1 linear ops, trained by the engine, minus its own profile."""
@@ -133,11 +177,12 @@ def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4,
     stand_in = Supernet(*[ChoiceBlock([tiny() for _ in b.candidates], b.label) if isinstance(b, ChoiceBlock)
                           else tiny() for b in net.blocks])
     module, engine = _NullModule(stand_in), Engine([range(len(stand_in))])
-    blocks, update_ms = _profile_blocks(copy.deepcopy(stand_in), torch.zeros(1, 1), _default_optimizer, 2, clock)
+    share = profile_share(stand_in, torch.zeros(1, 1), 2, clock=clock, deferred=False, engine_overhead=False)
+    blocks, update_ms = _blocks_of(stand_in, share.times)
     compute = sum(b.cost_ms for b in blocks)
     compute += update_ms * len(blocks)
     elapsed = []
-    for _ in range(4):
+    for _ in range(3):  # a warm-up round, then the median of two
         start = clock()
         for first in range(0, subnets, window):
             engine.train_window(module, [torch.zeros(1, 1)] * window, first)
@@ -177,11 +222,5 @@ def _scale_to_engine(spec: SpaceSpec, net: Supernet, x: Any, optimizer: Optimize
     fixed_ms = simulate(no_compute, 1, window, subnets=first).makespan_ms
     compute_ms = simulate(bare, 1, window, subnets=first).makespan_ms - fixed_ms
     scale = (measured_ms - fixed_ms) / compute_ms if compute_ms > 0 and measured_ms > fixed_ms else 1.0
-    def scaled(c: CandidateSpec) -> CandidateSpec:
-        passes = c.deferred_ms
-        return dataclasses.replace(c, forward_ms=c.forward_ms * scale, backward_ms=c.backward_ms * scale,
-                                   input_backward_ms=None if passes is None else passes[0] * scale,
-                                   weight_backward_ms=None if passes is None else passes[1] * scale)
-    for block in spec.blocks:
-        block.candidates = [scaled(c) for c in block.candidates]
+    spec.blocks = spec.compute_scaled(lambda ms: ms * scale).blocks
     spec.update_ms *= scale

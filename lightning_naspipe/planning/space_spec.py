@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 
 __all__ = ["BlockSpec", "CandidateSpec", "SpaceSpec", "block_cost_ms", "candidate_ms", "wide_spec"]
 
@@ -128,6 +128,17 @@ class SpaceSpec:
                     block.candidates):
                 raise ValueError(f"blocks sharing label {block.label!r} have different candidate counts (block {i})")
         return labels
+
+    def compute_scaled(self, scale: Callable[[float], float]) -> SpaceSpec:
+        """A copy with ``scale`` applied to every candidate's compute milliseconds (forward, backward, and the
+        deferred backward's two passes where measured); the update and the overheads as they are."""
+        def scaled(ms: float | None) -> float | None:
+            return None if ms is None else scale(ms)
+
+        return replace(self, blocks=[BlockSpec(b.label, [
+            replace(c, forward_ms=scale(c.forward_ms), backward_ms=scale(c.backward_ms),
+                    input_backward_ms=scaled(c.input_backward_ms), weight_backward_ms=scaled(c.weight_backward_ms))
+            for c in b.candidates]) for b in self.blocks])
 
     def to_json(self) -> str:
         """Serialise to JSON (see :meth:`from_json`)."""

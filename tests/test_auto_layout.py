@@ -1,0 +1,61 @@
+"""``num_stages="auto"``: what it profiles (nothing where one layout fits) and how it decides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import lightning_naspipe as lnp
+from lightning_naspipe.integration.auto_layout import CPU_OVERHEADS, chosen_stages
+from lightning_naspipe.planning.planner import best_layout, plan_layouts
+from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
+
+
+def _stem_and_head(blocks: int = 4) -> SpaceSpec:
+    """One micro-batch's costs of a space whose every subnet trains its stem and head: replicas win."""
+    fixed = BlockSpec(None, [CandidateSpec(2.0, 4.0, True, grad_bytes=1000)])
+    return SpaceSpec([fixed] + [BlockSpec(f"c{i}", [CandidateSpec(2.0, 4.0, True, grad_bytes=1000)] * 4)
+                                for i in range(blocks - 2)] + [fixed])
+
+
+def test_where_one_layout_fits_nothing_is_profiled() -> None:
+    def profile(deferred: bool) -> SpaceSpec:
+        raise AssertionError("profiled")
+
+    stages, message = chosen_stages(profile, 2, 4, chunks=1, window=8, is_global_zero=True, broadcast=lambda v: v,
+                                    device_type="cpu")
+    assert stages == 2 and "2 stage(s) x 1 replica(s), the only layout of 2 processes that fits" in message
+
+
+def test_no_layout_that_fits_is_refused_naming_the_fix() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match="no layout of 3 processes for 2 blocks.*num_stages=<int>"):
+        chosen_stages(lambda deferred: _stem_and_head(), 3, 2, chunks=1, window=8, is_global_zero=True,
+                      broadcast=lambda v: v, device_type="cpu")
+
+
+@pytest.mark.parametrize("chunks, subnets, defer, deferred", [(2, 1, None, False), (1, 2, None, False),
+                                                               (2, 1, True, True), (2, 1, False, False)])
+def test_the_profile_times_the_deferred_passes_only_where_the_plan_uses_them(
+        chunks: int, subnets: int, defer: bool | None, deferred: bool) -> None:
+    asked: list[bool] = []
+
+    def profile(passes: bool) -> SpaceSpec:
+        asked.append(passes)
+        return _stem_and_head()
+
+    chosen_stages(profile, 2, 4, chunks, 8, True, lambda v: v, "cpu", subnets, defer)
+    assert asked == [deferred]
+
+
+def test_rank_zero_plans_on_the_micro_batch_costs_times_chunks_and_every_rank_takes_its_choice() -> None:
+    micro = _stem_and_head()
+    stages, message = chosen_stages(lambda deferred: micro, 2, 4, 2, 8, True, lambda v: v, "cpu")
+    whole = dataclasses.replace(micro.compute_scaled(lambda ms: ms * 2), **CPU_OVERHEADS)
+    predictions = plan_layouts(whole, 2, 8, 2)
+    assert stages == best_layout(predictions).stages == 1
+    assert message.startswith("NASPipe: num_stages='auto' chose 1 stage(s) x 2 replica(s); predicted subnets/s per "
+                              "stages x replicas: " + ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}"
+                                                                for p in predictions))
+    # Elsewhere: rank 0's choice, whatever this rank would have planned.
+    assert chosen_stages(lambda deferred: micro, 2, 4, 2, 8, False, lambda v: (2, "rank 0's"), "cpu") == (2, "rank 0's")
