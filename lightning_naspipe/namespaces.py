@@ -15,7 +15,7 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Namespace", "installed", "namespace_of"]
+__all__ = ["Namespace", "installed", "namespace_of", "overrides_hook"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,12 @@ def namespace_of(obj: object) -> Namespace | None:
             if any(module == top or module.startswith(top + ".") for top in _KNOWN[ns.name][2]):
                 return ns
     return None
+
+
+def overrides_hook(owner: object, hook: str, defaults: tuple[str, ...]) -> bool:
+    """Whether ``owner`` has its own ``hook``: set on the instance (``LambdaCallback``), or defined by a class in
+    its MRO other than those named in ``defaults`` (Lightning's no-op definitions, e.g. ``"ModelHooks"``)."""
+    if hook in getattr(owner, "__dict__", {}):
+        return True
+    defined = next((c for c in type(owner).__mro__ if hook in vars(c)), None)
+    return defined is not None and defined.__name__ not in defaults

@@ -18,7 +18,7 @@ from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.integration.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
-from lightning_naspipe.namespaces import installed
+from lightning_naspipe.namespaces import installed, overrides_hook
 from lightning_naspipe.pipeline.optim import step_schedulers
 from lightning_naspipe.space.supernet import supernet_of
 
@@ -237,18 +237,11 @@ class StageWeightsSync(*_CALLBACK_BASES):  # type: ignore[misc]
 def reads_weights_at_epoch_end(trainer: Any, module: Any) -> bool:
     """Whether a callback of ``trainer`` or ``module`` itself may read weights in ``on_train_epoch_end``: it
     overrides the hook and is none of Lightning's callbacks known not to read them, or NASPipe's own."""
-    if _defines_hook(module, "on_train_epoch_end", ("ModelHooks", "LightningModule")):
+    if overrides_hook(module, "on_train_epoch_end", ("ModelHooks", "LightningModule")):
         return True
     blind = tuple(cls for ns in installed() for cls in (
         ns.pytorch.callbacks.ProgressBar, ns.pytorch.callbacks.EarlyStopping, ns.pytorch.callbacks.Timer,
         ns.pytorch.callbacks.LearningRateMonitor, ns.pytorch.callbacks.ModelSummary,
         ns.pytorch.callbacks.ModelCheckpoint))  # a checkpoint syncs what it saves (lightning_module_state_dict)
-    return any(_defines_hook(c, "on_train_epoch_end", ("Callback", "NASPipeCallback", "StageWeightsSync"))
+    return any(overrides_hook(c, "on_train_epoch_end", ("Callback", "NASPipeCallback", "StageWeightsSync"))
                for c in trainer.callbacks if not isinstance(c, blind))
-
-
-def _defines_hook(owner: object, hook: str, defaults: tuple[str, ...]) -> bool:
-    if hook in getattr(owner, "__dict__", {}):  # set on the instance (LambdaCallback)
-        return True
-    defined = next((c for c in type(owner).__mro__ if hook in vars(c)), None)
-    return defined is not None and defined.__name__ not in defaults

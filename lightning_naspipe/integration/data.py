@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.namespaces import overrides_hook
 
 
 class DataTracker:
@@ -400,9 +401,6 @@ TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_af
 def transfer_hooks_overridden(trainer: Any, module: Any) -> bool:
     """Whether the module or the trainer's datamodule overrides one of :data:`TRANSFER_HOOKS`: running it
     on a batch early (lookahead) and again when Lightning hands the batch over could differ (augmentation)."""
-    for owner in (module, getattr(trainer, "datamodule", None)):
-        for hook in TRANSFER_HOOKS if owner is not None else ():
-            defined = next(c for c in type(owner).__mro__ if hook in vars(c))
-            if defined.__name__ not in ("DataHooks", "LightningModule", "LightningDataModule"):
-                return True
-    return False
+    owners = [owner for owner in (module, getattr(trainer, "datamodule", None)) if owner is not None]
+    return any(overrides_hook(owner, hook, ("DataHooks", "LightningModule", "LightningDataModule"))
+               for owner in owners for hook in TRANSFER_HOOKS)
