@@ -169,17 +169,21 @@ def train(strategy: Any = None, seed: int = 7, model_cls: type | None = None, lo
 
 
 def spawn_gloo_pair(worker: Any) -> dict[str, Any]:
-    """Run ``worker(rank, init_method, results)`` in two fresh processes; what they put in ``results``.
+    """Run ``worker(rank, init_method, results)`` in two processes; what they put in ``results``.
 
-    The worker joins a gloo process group with ``init_method`` (a file rendezvous: no port to race for).
+    The worker joins a gloo process group with ``init_method`` (a file rendezvous: no port to race for). The
+    processes are forked from forked.py's server, which imported torch and Lightning once.
     """
     import tempfile
 
     import torch.multiprocessing as mp
 
+    import forked  # noqa: F401  (sets the forkserver's preloaded modules before its first use)
+
     with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(f"file://{folder}/rendezvous", results), nprocs=2, join=True)
+        mp.start_processes(worker, args=(f"file://{folder}/rendezvous", results), nprocs=2, join=True,
+                           start_method="forkserver")
         return dict(results)
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import lightning_naspipe as lnp
+from forked import ScriptProcess
 from helpers import ToyNet, assert_same_state, toy_loader, train
 from test_loss_log import logged_rows
 
@@ -312,20 +313,21 @@ def run_ranks(tmp_path: Path, script: Path, args: list[str], rank_env: list[dict
               timeout: float = 300) -> str:
     """Start one ``script`` process per rank, as a cluster would, wait for all of them to succeed; their stderr.
 
+    The processes are forked from a server that imported torch and Lightning once (forked.py), not fresh
+    interpreters: the same script, argv and environment, without seconds of imports per rank.
+
     The rendezvous port is picked free, then closed before rank 0 binds it, so another process may
     take it in between: a launch that fails for that reason alone is retried on a new port.
     """
     for attempt in range(3):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _free_port()}
-        procs = [subprocess.Popen([sys.executable, str(script), *args], env={**_env(), **env, **extra},
-                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for extra in rank_env]
+        procs = [ScriptProcess(script, args, {**_env(), **env, **extra}, tmp_path) for extra in rank_env]
         try:
-            errors = [p.communicate(timeout=timeout)[1] for p in procs]
+            deadline = time.monotonic() + timeout
+            errors = [p.wait(max(deadline - time.monotonic(), 0.0)) for p in procs]
         finally:
             for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGKILL)
+                p.kill()
         if all(p.returncode == 0 for p in procs):
             return "".join(errors)
         if not any("address already in use" in e.lower() for e in errors) or attempt == 2:
