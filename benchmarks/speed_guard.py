@@ -6,7 +6,8 @@ fails only below a floor well under its measured ratio (a 2x regression falls be
 ratio is printed so that CI's log keeps the history (docs/benchmarks.md, "Speed guard", keeps a table by version).
 A case's time is ``trainer.fit`` on rank 0, start-up (setup, the timed split, ``num_stages="auto"``'s profile and
 rebuild, as a first run pays them: every run gets an empty profile cache) and the end of training included;
-Python's imports and process starts are not. Default strategy settings but where a case names one::
+Python's imports and process starts are not. Training alone (``on_train_start`` to ``on_train_end``, the shared
+guard's clock) is printed beside it, not guarded. Default strategy settings but where a case names one::
 
     python benchmarks/speed_guard.py                       # 2 rounds, alternating 1 and 2 processes; best of each
     python benchmarks/speed_guard.py --delay-epoch-end 0.5  # checks the guard: every epoch end of the 2-process
@@ -96,21 +97,32 @@ class DelayEpochEnd(pl.Callback):
         time.sleep(self.seconds)
 
 
+class TrainClock(pl.Callback):
+    """Training alone, ``on_train_start`` to ``on_train_end``, as ``../shared/bench/speed_guard.py`` clocks it."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
 def worker(cfg: dict[str, Any]) -> None:
     case = CASES[cfg["case"]]
     module, data = build(case.space, case.batches_per_epoch)
     processes = cfg.get("processes", 1)
     strategy: Any = lnp.NASPipeStrategy(**case.strategy) if processes > 1 else "auto"
     delay = cfg["delay_epoch_end"] if processes > 1 else 0.0
+    clock = TrainClock()
     trainer = pl.Trainer(accelerator="cpu", devices=processes, strategy=strategy, max_steps=case.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[DelayEpochEnd(delay)] if delay else [])
+                         enable_model_summary=False, callbacks=[clock, *([DelayEpochEnd(delay)] if delay else [])])
     start = time.perf_counter()
     trainer.fit(module, data)
     seconds = time.perf_counter() - start
     if trainer.global_rank == 0:
         with open(cfg["out"], "w") as f:
-            json.dump({"seconds": seconds, "subnets_per_s": case.steps / seconds}, f)
+            json.dump({"seconds": seconds, "train_seconds": clock.seconds, "subnets_per_s": case.steps / seconds}, f)
 
 
 def below_floor(cases: list[Case], ratios: dict[str, float]) -> list[str]:
@@ -134,6 +146,7 @@ def main() -> int:
     for index in chosen:
         case = CASES[index]
         best = {1: float("inf"), 2: float("inf")}
+        train = {1: float("inf"), 2: float("inf")}
         for _ in range(args.rounds):
             for processes in (1, 2):
                 with tempfile.TemporaryDirectory() as cache:  # start-up as a first run pays it, every time
@@ -144,10 +157,12 @@ def main() -> int:
                     print(f"speed guard: {case.name}: the {processes}-process run failed: {result['error']}")
                     break
                 best[processes] = min(best[processes], result["seconds"])
+                train[processes] = min(train[processes], result["train_seconds"])
         if best[1] < float("inf") and best[2] < float("inf"):
             ratios[case.name] = best[1] / best[2]
             print(f"speed guard: {case.name}: 1 device {best[1]:.2f} s, 2 processes {best[2]:.2f} s, "
-                  f"ratio {ratios[case.name]:.2f}x (floor {case.floor:.2f}x)", flush=True)
+                  f"ratio {ratios[case.name]:.2f}x (floor {case.floor:.2f}x); training alone "
+                  f"{train[1]:.2f} s / {train[2]:.2f} s = {train[1] / train[2]:.2f}x", flush=True)
     failed = below_floor([CASES[i] for i in chosen], ratios)
     if failed:
         print(f"speed guard: FAILED, below the floor or not run: {'; '.join(failed)}. Profile the pipelined path "
