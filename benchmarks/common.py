@@ -151,6 +151,18 @@ def launch(script: str, cfg: dict[str, Any], repeats: int = 1, timeout: float = 
     return best
 
 
+def every_rank_started(cfg: dict[str, Any], timeout: float = 120.0) -> None:
+    """Wait until every rank of this :func:`launch` run has imported everything and got here (a file barrier
+    next to the result file), so that a clock started next does not count another rank's interpreter start."""
+    ranks, folder = int(os.environ.get("WORLD_SIZE", "1")), os.path.dirname(cfg["out"])
+    open(os.path.join(folder, f"started.{os.environ.get('RANK', '0')}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while sum(name.startswith("started.") for name in os.listdir(folder)) < ranks:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every one of {ranks} ranks started within {timeout} s")
+        time.sleep(0.005)
+
+
 def _run_once(script: str, cfg: dict[str, Any], timeout: float) -> Result:
     ranks = max(int(cfg.get("processes", 1)), 1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,8 +6,9 @@ fails only below a floor well under its measured ratio (a 2x regression falls be
 ratio is printed so that CI's log keeps the history (docs/benchmarks.md, "Speed guard", keeps a table by version).
 A case's time is ``trainer.fit`` on rank 0, start-up (setup, the timed split, ``num_stages="auto"``'s profile and
 rebuild, as a first run pays them: every run gets an empty profile cache) and the end of training included;
-Python's imports and process starts are not. Training alone (``on_train_start`` to ``on_train_end``, the shared
-guard's clock) is printed beside it, not guarded. Default strategy settings but where a case names one::
+Python's imports and process starts are not (the ranks start the clock together). Training alone
+(``on_train_start`` to ``on_train_end``, the shared guard's clock) is printed beside it, not guarded. Default strategy
+settings but where a case names one::
 
     python benchmarks/speed_guard.py                       # 2 rounds, alternating 1 and 2 processes; best of each
     python benchmarks/speed_guard.py --delay-epoch-end 0.5  # checks the guard: every epoch end of the 2-process
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.integration.profile_cache import ENV as CACHE_ENV
-from common import launch, machine, ran_as_worker
+from common import every_rank_started, launch, machine, ran_as_worker
 from spos_cnn import SposCNN, random_images
 from zoo_spaces import features_loader
 
@@ -117,6 +118,7 @@ def worker(cfg: dict[str, Any]) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=processes, strategy=strategy, max_steps=case.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[clock, *([DelayEpochEnd(delay)] if delay else [])])
+    every_rank_started(cfg)
     start = time.perf_counter()
     trainer.fit(module, data)
     seconds = time.perf_counter() - start

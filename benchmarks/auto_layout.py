@@ -1,0 +1,95 @@
+"""``num_stages="auto"`` against the layout it picks, run directly: what choosing costs, first run and rerun.
+
+Issue 40: on a SPOS-style CNN at 200 steps the auto layout's start-up (profile, rebuild) ate most of its gain.
+Each round trains the same space and data, 2 processes but the first, with every setting at its default but
+``chunks``::
+
+    1 device      the plain one-device Trainer with NASPipeStrategy(chunks=C) on one process
+    auto, first   NASPipeStrategy(num_stages="auto"), an empty profile cache (a first run)
+    auto, rerun   the same, the cache the first run wrote (a rerun or a resume)
+    direct        NASPipeStrategy(num_stages=<what auto picked>): no profile, no rebuild
+
+A time is ``trainer.fit`` on rank 0, the ranks starting the clock together (imports and process starts not
+counted). Ratios are within a round; the table gives the best of ``--rounds``::
+
+    python benchmarks/auto_layout.py                     # SPOS CNN (16 channels, 2 blocks per resolution), 200 steps
+    python benchmarks/auto_layout.py --steps 60 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+
+import lightning_naspipe as lnp
+from common import every_rank_started, launch, machine, ran_as_worker
+from lightning_naspipe.integration.profile_cache import ENV as CACHE_ENV
+from spos_cnn import SposCNN, random_images
+
+SCRIPT = os.path.abspath(__file__)
+CONFIGS = ("1 device", "auto, first", "auto, rerun", "direct")
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    processes = cfg["processes"]
+    strategy = lnp.NASPipeStrategy(chunks=cfg["chunks"], num_stages=cfg["num_stages"])
+    trainer = pl.Trainer(accelerator="cpu", devices=processes, strategy=strategy, max_steps=cfg["steps"],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    module, data = SposCNN(16, 2), random_images(cfg["steps"] * 32, 32)
+    every_rank_started(cfg)
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    seconds = time.perf_counter() - start
+    if trainer.global_rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump({"seconds": seconds, "subnets_per_s": cfg["steps"] / seconds,
+                       "stages": strategy.layout.stages, "replicas": strategy.layout.replicas}, f)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--chunks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if ran_as_worker(args, worker):
+        return 0
+    print(f"auto layout: {machine()}; SPOS CNN, {args.steps} steps, chunks {args.chunks}", flush=True)
+    best = {config: float("inf") for config in CONFIGS}
+    picked = ""
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ[CACHE_ENV] = cache
+            base = {"steps": args.steps, "chunks": args.chunks}
+            runs = {"1 device": launch(SCRIPT, {**base, "processes": 1, "num_stages": None}),
+                    "auto, first": launch(SCRIPT, {**base, "processes": 2, "num_stages": "auto"}),
+                    "auto, rerun": launch(SCRIPT, {**base, "processes": 2, "num_stages": "auto"})}
+            chosen = runs["auto, first"]
+            if "error" in chosen:
+                print(f"auto layout: the auto run failed: {chosen['error']}")
+                return 1
+            picked = f"{chosen['stages']} stage(s) x {chosen['replicas']} replica(s)"
+            runs["direct"] = launch(SCRIPT, {**base, "processes": 2, "num_stages": chosen["stages"]})
+        for config, result in runs.items():
+            if "error" in result:
+                print(f"auto layout: {config} failed: {result['error']}")
+                return 1
+            best[config] = min(best[config], result["seconds"])
+    print(f"auto picked {picked}")
+    for config in CONFIGS:
+        print(f"  {config:12s} {best[config]:7.2f} s  {best['1 device'] / best[config]:.2f}x one device  "
+              f"{best['direct'] / best[config]:.2f}x direct")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
