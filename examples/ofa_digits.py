@@ -53,6 +53,8 @@ class Residual(nn.Module):
 
 
 class ElasticMobileNet(lnp.NASPipeMixin, pl.LightningModule):
+    chunks = 2  # micro-batches per subnet, so the stages overlap; the plain Trainer splits alike
+
     def __init__(self, recipe: str = "sandwich", lr: float = 0.05) -> None:
         super().__init__()
         self.lr = lr
@@ -102,7 +104,7 @@ def main() -> None:
     train, val = loaders()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, max_epochs=args.epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         strategy=lnp.NASPipeStrategy(chunks=2))
+                         strategy=lnp.NASPipeStrategy())
     trainer.fit(model, train)
     supernet = model.supernet
     calibration = [next(iter(train))]

@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--window", type=int, default=8)
-    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--chunks", type=int, default=None, help="NASPipeStrategy(chunks=...)")
+    parser.add_argument("--module-chunks", type=int, default=None, help="set on the module; the strategy follows")
     parser.add_argument("--num-stages", type=lambda v: v if v == "auto" else int(v), default=None,
                         help="NASPipeStrategy(num_stages=...), 'auto' too")
     parser.add_argument("--force-layout", type=int, default=None,
@@ -114,6 +115,8 @@ def main() -> None:
 
     pl.seed_everything(7, verbose=False)
     model = ToyNet()
+    if args.module_chunks is not None:
+        model.chunks = args.module_chunks
     if args.example_input:
         model.supernet_example_input = torch.ones(8, FEATURES)  # not randn: the global RNG drives the shuffle
     callbacks = [Killer(args.kill_stage, args.kill_step, args.kill_signal)] if args.kill_stage != -1 else []

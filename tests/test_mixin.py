@@ -175,3 +175,46 @@ def test_predict_runs_the_evaluation_subnet() -> None:
     with torch.no_grad():
         expected = model.supernet(batch[0], model.eval_architecture(0))
     assert len(outputs) == 2 and torch.equal(outputs[0], expected)
+
+
+class InTwoChunks(ToyNet):
+    chunks = 2
+
+
+def test_chunks_on_the_module_split_the_plain_trainers_batches_as_the_strategy_does() -> None:
+    """The micro-batch count is the module's: the plain Trainer trains it, and NASPipeStrategy() follows it."""
+    from helpers import assert_same_state, train
+
+    def state(model: Any, trainer: Any) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                "losses": model.losses, "global_step": trainer.global_step}
+
+    plain = state(*train(None, model_cls=InTwoChunks, max_steps=6))
+    followed, trainer = train(lnp.NASPipeStrategy(), model_cls=InTwoChunks, max_steps=6)
+    assert trainer.strategy.chunks == 2
+    assert_same_state(plain, state(followed, trainer))
+    one_chunk = state(*train(None, max_steps=6))
+    assert not all(torch.equal(v, one_chunk["model"][k]) for k, v in plain["model"].items()), "chunks mattered"
+
+
+def test_a_strategy_chunks_unlike_the_modules_is_refused_naming_both() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match=r"NASPipeStrategy\(chunks=4\) differs from InTwoChunks.chunks = 2"
+                       r".*Leave NASPipeStrategy's chunks unset"):
+        _fit(InTwoChunks(), lnp.NASPipeStrategy(chunks=4))
+
+
+def test_a_strategy_chunks_with_a_module_that_sets_none_is_used_and_logged() -> None:
+    """Kept working as before the module owned chunks; the run's log (rank-zero info) names the plain run it equals."""
+    strategy, logged = lnp.NASPipeStrategy(chunks=2), []
+    strategy._info = logged.append  # type: ignore[method-assign]
+    trainer = _fit(ToyNet(), strategy)
+    assert trainer.strategy.chunks == 2
+    assert any("equals the plain Trainer with" in line and "ToyNet.chunks = 2" in line for line in logged), logged
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_a_bad_module_chunks_is_named(value: object) -> None:
+    model = ToyNet()
+    model.chunks = value  # type: ignore[assignment]
+    with pytest.raises(lnp.NASPipeConfigError, match=r"ToyNet.chunks is .*positive int"):
+        _fit(model)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lightning_naspipe as lnp
-from helpers import assert_same_state
+from helpers import ToyNet, assert_same_state
 from test_pipeline import SCRIPT, _env, _launch, _plain_state, _state
 
 pytestmark = pytest.mark.slow
@@ -41,6 +41,22 @@ def test_replicas_equal_the_plain_trainer(tmp_path: Path, plain_chunks4: dict, d
     for rank in range(devices):  # every rank holds the whole trained supernet after fit
         weights = torch.load(f"{ckpt}.rank{rank}")
         assert all(torch.equal(weights[k], plain_chunks4["model"][k]) for k in plain_chunks4["model"])
+
+
+class ToyNetInTwoChunks(ToyNet):
+    chunks = 2
+
+
+def test_a_module_with_chunks_equals_the_plain_trainer_on_stages_and_on_replicas(tmp_path: Path) -> None:
+    """``chunks`` set on the module: the plain Trainer (no strategy) splits each batch alike, and 2 stages and
+    1 stage x 2 replicas with the strategy at its defaults (it follows the module) equal it bitwise."""
+    plain = _plain_state(tmp_path, model_cls=ToyNetInTwoChunks, max_epochs=2)
+    one_chunk = _plain_state(tmp_path, max_epochs=2)
+    assert not all(torch.equal(plain["model"][k], one_chunk["model"][k]) for k in plain["model"]), "chunks mattered"
+    for devices, stages in ((2, 2), (2, 1)):
+        ckpt = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--module-chunks", "2",
+                       name=f"chunks2-{stages}")
+        assert_same_state(plain, _state(ckpt))
 
 
 def test_resume_from_two_by_two_onto_other_layouts(tmp_path: Path, plain_chunks4: dict) -> None:

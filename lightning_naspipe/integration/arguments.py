@@ -74,7 +74,8 @@ def folder(name: str, value: object, meaning: str) -> None:
 def check_all(arguments: dict[str, Any]) -> dict[str, Any]:
     """Check every argument of ``NASPipeStrategy.__init__`` (but the Trainer's plugins); the normalized values."""
     positive_int("window", arguments["window"], "the number of subnets per Lightning batch, e.g. window=8")
-    positive_int("chunks", arguments["chunks"], "the number of micro-batches per subnet, e.g. chunks=1")
+    positive_int("chunks", arguments["chunks"], "the number of micro-batches per subnet; None (the default) follows "
+                 "the module's chunks", optional=True)
     if arguments["num_stages"] != "auto":
         positive_int("num_stages", arguments["num_stages"],
                      "the number of pipeline stages, None for one per process, or 'auto'", optional=True)

@@ -114,7 +114,7 @@ def validate_run(trainer: Any, module: object) -> None:
         raise NASPipeConfigError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: every batch "
             "trains its own subnet, so gradients cannot be accumulated across batches. Use a larger batch_size "
-            "instead, and NASPipeStrategy(chunks=...) to split it into micro-batches if memory is tight."
+            "instead, and set chunks on the module (e.g. chunks = 4) to split it into micro-batches if memory is tight."
         )
     # Supported, exactly (clipping.py); Lightning's validator refuses it under manual optimization, so
     # the value stays aside until NASPipeCallback.setup, which runs after the validator.

@@ -50,6 +50,11 @@ class NASPipeMixin:
             the first training batch.
         naspipe_allow_nonfinite_loss: by default a NaN or infinite training loss stops the run with a
             ``FloatingPointError`` naming the subnet and its architecture; set True to train on.
+        chunks: micro-batches each subnet's batch is split into (along dim 0), their gradients accumulated in
+            order; default 1. Like the batch size it is part of what the module trains (another value changes
+            the summation order), so it belongs here: the plain Trainer splits alike, and every layout of
+            ``NASPipeStrategy`` (which follows it) equals the plain run. Pipelined stages overlap micro-batches
+            and replicas share them, so raise it for a pipeline whose stages take turns.
     """
 
     supernet: Supernet
@@ -58,6 +63,7 @@ class NASPipeMixin:
     #: (``lnp.Sandwich``, ``lnp.FairNAS``, ``lnp.Constrained``); ``None``: one subnet per step (``sample_subnet``).
     step_sampler: Any = None
     naspipe_allow_nonfinite_loss: bool = False
+    chunks: int = 1
 
     # -- what users implement or override ------------------------------------------------
 
@@ -260,13 +266,56 @@ class NASPipeMixin:
 
     def _sequential_engine(self) -> Engine:
         engine = self.__dict__.get("_naspipe_engine")
-        if engine is None:
-            engine = Engine([range(len(self._supernet()))])
+        chunks = module_chunks(self)
+        if engine is None or engine.chunks != chunks:
+            engine = Engine([range(len(self._supernet()))], chunks=chunks)
             self.__dict__["_naspipe_engine"] = engine
         return engine
 
     def _supernet(self) -> Supernet:
         return supernet_of(self)
+
+
+def module_chunks(module: object) -> int:
+    """``module.chunks``, checked: a positive int (:attr:`NASPipeMixin.chunks`)."""
+    value = getattr(module, "chunks", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NASPipeConfigError(f"{type(module).__name__}.chunks is {value!r}: the micro-batches per subnet must be "
+                                 "a positive int, e.g. chunks = 2 in the class body or self.chunks = 2 in __init__.")
+    return value
+
+
+def sets_chunks(module: object) -> bool:
+    """Whether ``module`` (its class or the instance) sets ``chunks``, rather than keep the mixin's default."""
+    if "chunks" in vars(module):
+        return True
+    for cls in type(module).__mro__:
+        if cls is NASPipeMixin:
+            return False
+        if "chunks" in vars(cls):
+            return True
+    return False
+
+
+def resolve_chunks(module: object, setting: int | None) -> tuple[int, str | None]:
+    """The micro-batches per subnet of a ``NASPipeStrategy(chunks=setting)`` run of ``module``, and a log line
+    for a setting that the plain Trainer reproduces only with the module changed.
+
+    Raises:
+        NASPipeConfigError: ``setting`` differs from the ``chunks`` the module sets.
+    """
+    own, name = module_chunks(module), type(module).__name__
+    if setting is None or setting == own:
+        return own, None
+    if sets_chunks(module):
+        raise NASPipeConfigError(
+            f"NASPipeStrategy(chunks={setting}) differs from {name}.chunks = {own}. The micro-batch count is part of "
+            f"what the module trains (the plain Trainer splits each batch into {own}), so the run would equal no "
+            f"plain run. Leave NASPipeStrategy's chunks unset: it follows the module."
+        )
+    return setting, (f"NASPipe: chunks={setting} comes from NASPipeStrategy; this run equals the plain Trainer with "
+                     f"{name}.chunks = {setting} (set it on the module, and leave the strategy's unset, so that the "
+                     "plain Trainer reproduces every layout as is).")
 
 
 @cache

@@ -29,12 +29,16 @@ __all__ = ["PipelineBuilding"]
 class PipelineBuilding(StagePlacement):
     """Engine settings and building for ``NASPipeStrategy``, whose ``__init__`` calls :meth:`_init_building`."""
 
-    def _init_building(self, window: int, chunks: int, balance: Sequence[int] | None, schedule: str, lookahead: bool,
-                       defer_weight_grads: bool | None, telemetry: bool, trace_dir: str | None,
+    def _init_building(self, window: int, chunks: int | None, balance: Sequence[int] | None, schedule: str,
+                       lookahead: bool, defer_weight_grads: bool | None, telemetry: bool, trace_dir: str | None,
                        transport: Literal["auto", "shared_memory", "torch"]) -> None:
         """This part's settings (``NASPipeStrategy``'s arguments of the same names, ``balance`` checked)."""
         self.window = window
-        self.chunks = chunks
+        #: ``NASPipeStrategy(chunks=...)`` as given; ``chunks`` is what the run uses, resolved against the module's
+        #: when the Trainer connects it (``mixin.resolve_chunks``).
+        self.chunks_setting = chunks
+        self.chunks = chunks or 1
+        self._chunks_note: str | None = None
         self.balance: list[int] | None = list(balance) if balance is not None else None
         self.schedule = schedule
         self.lookahead = lookahead

@@ -34,7 +34,7 @@ from lightning_naspipe.integration.data import (
 from lightning_naspipe.transport.distributed import drop_foreign_state, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.microbatch import check_batch_sizes
-from lightning_naspipe.integration.mixin import NASPipeMixin
+from lightning_naspipe.integration.mixin import NASPipeMixin, resolve_chunks
 from lightning_naspipe.pipeline.partition import block_weights
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.processes import lost_process_named
@@ -69,9 +69,11 @@ class NASPipeStrategy(PipelineBuilding):
     Args:
         window: subnets per Lightning batch; the scheduler overlaps any of them whose parameters
             are disjoint. Results do not depend on it. At least 1.
-        chunks: micro-batches each subnet's batch is split into (along dim 0), pipelined through
-            the stages. Results are exact for a fixed ``chunks``; another value changes the
-            summation order.
+        chunks: micro-batches each subnet's batch is split into (along dim 0), pipelined through the stages and
+            shared by the replicas. ``None`` (the default): the module's ``chunks`` (:attr:`NASPipeMixin.chunks`),
+            which the plain Trainer uses too, so every layout equals the plain run. A value different from one the
+            module sets is refused; with a module that sets none it is used as given, and the log names the
+            plain run it equals (the module with that ``chunks``). Another value changes the summation order.
         num_stages: pipeline stages; the processes (devices x nodes) run ``processes / num_stages``
             data-parallel replicas of the pipeline (so it must divide them; default: one stage per process,
             one replica). Ranks are stage-major: a stage's replicas are neighbouring ranks. Each replica trains
@@ -149,7 +151,7 @@ class NASPipeStrategy(PipelineBuilding):
     def __init__(
         self,
         window: int = 8,
-        chunks: int = 1,
+        chunks: int | None = None,
         num_stages: int | Literal["auto"] | None = None,
         balance: Sequence[int] | None = None,
         schedule: str = "csp",
@@ -198,6 +200,7 @@ class NASPipeStrategy(PipelineBuilding):
                 f"{type(model).__name__} does not use the NASPipe mixin: declare it as "
                 f"class {type(model).__name__}(lightning_naspipe.NASPipeMixin, LightningModule)."
             )
+        self.chunks, self._chunks_note = resolve_chunks(model, self.chunks_setting)
         super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
 
     def _trainer(self) -> Any:
@@ -214,6 +217,8 @@ class NASPipeStrategy(PipelineBuilding):
             self._stages = None
         self._choose_layout = self.num_stages == "auto" and self.world_size > 1 and trainer.training
         self._init_startup()
+        if self._chunks_note is not None and trainer.training:
+            self._info(self._chunks_note)
         weights = None
         if self.balance is None and example is not None and self.world_size > 1:
             weights = self._timed_weights(example)

@@ -86,11 +86,11 @@ class Layout:
             multiples = [self.replicas * k for k in range(1, 4)]
             steps = f" x {subnets} subnets per training step" if subnets > 1 else ""
             raise NASPipeConfigError(
-                f"NASPipeStrategy(chunks={chunks}){steps} with {self.replicas} replicas per stage ({self.stages} "
-                f"stages x {self.replicas} replicas = {self.world_size} processes): each replica trains an equal, "
-                f"contiguous share of every training step's micro-batches, so chunks must be a multiple of "
-                f"{self.replicas}, e.g. {multiples}" + (f" (or train a multiple of {self.replicas} subnets per step)"
-                                                       if subnets > 1 else "")
+                f"The module's micro-batches per subnet (chunks={chunks}){steps} with {self.replicas} replicas per "
+                f"stage ({self.stages} stages x {self.replicas} replicas = {self.world_size} processes): each replica "
+                "trains an equal, contiguous share of every training step's micro-batches, so chunks must be a "
+                f"multiple of {self.replicas}, e.g. {multiples}"
+                + (f" (or train a multiple of {self.replicas} subnets per step)" if subnets > 1 else "")
                 + f"; or set num_stages={self.world_size} for one replica."
             )
 

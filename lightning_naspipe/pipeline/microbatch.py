@@ -90,8 +90,8 @@ def check_batch_sizes(dataloader: object, chunks: int, modules: torch.nn.Module,
              f"{len(getattr(dataloader, 'dataset'))}, batch_size={getattr(dataloader, 'batch_size')})")
     if smallest < chunks:
         raise NASPipeConfigError(
-            f"NASPipeStrategy(chunks={chunks}) splits every batch into {chunks} micro-batches, but {where}. Use "
-            "DataLoader(drop_last=True), a batch_size that divides the dataset, or fewer chunks."
+            f"Micro-batching (chunks={chunks}) splits every batch into {chunks} micro-batches, but {where}. Use "
+            "DataLoader(drop_last=True), a batch_size that divides the dataset, or fewer chunks (the module's chunks)."
         )
     if training and smallest // chunks == 1 and any(isinstance(m, torch.nn.BatchNorm1d) for m in modules.modules()):
         raise NASPipeConfigError(

@@ -52,5 +52,5 @@ def chunks_hint(supernet: Supernet, ranges: Sequence[range], chunks: int) -> str
         return None
     where = "; ".join(f"stage {s}: block(s) {', '.join(map(str, b))}" for s, b in enumerate(shared))
     return (f"Every subnet trains the fixed blocks of each stage ({where}), so no two subnets can be in flight on "
-            "one stage and with chunks=1 the stages take turns. NASPipeStrategy(chunks=4) pipelines each subnet's "
-            "micro-batches (results are exact for equal chunks).")
+            "one stage and with chunks=1 the stages take turns. Set the module's chunks=4 to pipeline each "
+            "subnet's micro-batches (the plain Trainer splits alike, so every layout still equals it).")
