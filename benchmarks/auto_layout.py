@@ -10,7 +10,9 @@ Each round trains the same space and data, 2 processes but the first, with every
     direct        NASPipeStrategy(num_stages=<what auto picked>): no profile, no rebuild
 
 A time is ``trainer.fit`` on rank 0, the ranks starting the clock together (imports and process starts not
-counted). Ratios are within a round; the table gives the best of ``--rounds``::
+counted). Ratios are within a round; the table gives the best of ``--rounds``. Beside it, the planner's check
+(issue 40, item 3): the rate the auto run predicted for the layout it picked (its log line) against the
+steady-state rate the direct run measured (subnets per second after the first ``--warmup`` steps)::
 
     python benchmarks/auto_layout.py                     # SPOS CNN (16 channels, 2 blocks per resolution), 200 steps
     python benchmarks/auto_layout.py --steps 60 --rounds 1
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -29,7 +32,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 import lightning_naspipe as lnp
-from common import every_rank_started, launch, machine, ran_as_worker
+from common import Clock, every_rank_started, launch, machine, ran_as_worker
 from lightning_naspipe.integration.profile_cache import ENV as CACHE_ENV
 from spos_cnn import SposCNN, random_images
 
@@ -39,10 +42,12 @@ CONFIGS = ("1 device", "auto, first", "auto, rerun", "direct")
 
 def worker(cfg: dict[str, Any]) -> None:
     processes = cfg["processes"]
-    strategy = lnp.NASPipeStrategy(chunks=cfg["chunks"], num_stages=cfg["num_stages"])
+    strategy, logged = lnp.NASPipeStrategy(chunks=cfg["chunks"], num_stages=cfg["num_stages"]), []
+    strategy._info = logged.append  # the run's rank-zero log lines: the auto layout's predictions
+    clock = Clock(cfg["warmup"])
     trainer = pl.Trainer(accelerator="cpu", devices=processes, strategy=strategy, max_steps=cfg["steps"],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+                         enable_model_summary=False, callbacks=[clock])
     module, data = SposCNN(16, 2), random_images(cfg["steps"] * 32, 32)
     every_rank_started(cfg)
     start = time.perf_counter()
@@ -50,8 +55,12 @@ def worker(cfg: dict[str, Any]) -> None:
     seconds = time.perf_counter() - start
     if trainer.global_rank == 0:
         with open(cfg["out"], "w") as f:
-            json.dump({"seconds": seconds, "subnets_per_s": cfg["steps"] / seconds,
-                       "stages": strategy.layout.stages, "replicas": strategy.layout.replicas}, f)
+            layout = f"{strategy.layout.stages} x {strategy.layout.replicas}"
+            predicted = [float(m.group(1)) for line in logged
+                         if (m := re.search(rf"{layout}: ([\d.]+)", line)) and "num_stages='auto' chose" in line]
+            json.dump({"seconds": seconds, "subnets_per_s": cfg["steps"] / seconds, "stages": strategy.layout.stages,
+                       "replicas": strategy.layout.replicas, "steady_subnets_per_s": clock.subnets / clock.elapsed,
+                       "predicted": predicted[0] if predicted else None}, f)
 
 
 def main() -> int:
@@ -59,17 +68,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=40, help="steps before the steady-state clock starts")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if ran_as_worker(args, worker):
         return 0
     print(f"auto layout: {machine()}; SPOS CNN, {args.steps} steps, chunks {args.chunks}", flush=True)
     best = {config: float("inf") for config in CONFIGS}
-    picked = ""
+    picked, predicted, steady = "", [], []
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as cache:
             os.environ[CACHE_ENV] = cache
-            base = {"steps": args.steps, "chunks": args.chunks}
+            base = {"steps": args.steps, "chunks": args.chunks, "warmup": args.warmup}
             runs = {"1 device": launch(SCRIPT, {**base, "processes": 1, "num_stages": None}),
                     "auto, first": launch(SCRIPT, {**base, "processes": 2, "num_stages": "auto"}),
                     "auto, rerun": launch(SCRIPT, {**base, "processes": 2, "num_stages": "auto"})}
@@ -79,6 +89,9 @@ def main() -> int:
                 return 1
             picked = f"{chosen['stages']} stage(s) x {chosen['replicas']} replica(s)"
             runs["direct"] = launch(SCRIPT, {**base, "processes": 2, "num_stages": chosen["stages"]})
+            if chosen["predicted"] is not None and "error" not in runs["direct"]:
+                predicted.append(chosen["predicted"])
+                steady.append(runs["direct"]["steady_subnets_per_s"])
         for config, result in runs.items():
             if "error" in result:
                 print(f"auto layout: {config} failed: {result['error']}")
@@ -88,6 +101,9 @@ def main() -> int:
     for config in CONFIGS:
         print(f"  {config:12s} {best[config]:7.2f} s  {best['1 device'] / best[config]:.2f}x one device  "
               f"{best['direct'] / best[config]:.2f}x direct")
+    if predicted:  # one layout fitting is chosen without a prediction
+        print(f"planner: predicted {max(predicted):.2f} subnets/s for {picked}, measured {max(steady):.2f} at steady "
+              f"state (best of the rounds): error {max(predicted) / max(steady) - 1:+.0%}")
     return 0
 
 

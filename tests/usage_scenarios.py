@@ -8,9 +8,11 @@ test_usage_stages.py. A scenario that resumes fits twice: into a checkpoint, the
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from helpers import ToyNet, full_state, pl, toy_loader, trainer_kwargs
@@ -82,6 +84,25 @@ class SkipsRestOfEpoch(ToyNet):  # type: ignore[misc, valid-type]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         return -1 if batch_idx >= 5 else None
+
+
+def _host_random_scale(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: noise drawn from Python's and NumPy's global generators inside a block."""
+    return output * (1 + 0.1 * random.random() + 0.1 * float(np.random.rand()))
+
+
+class HostRandomNet(ToyNet):  # type: ignore[misc, valid-type]
+    """Randomness outside torch, as users write it: stochastic scaling with ``random.random()`` and
+    ``np.random.rand()`` in two blocks (forward hooks run inside the block) and in ``compute_loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in list(self.supernet.blocks)[1:3]:
+            block.register_forward_hook(_host_random_scale)
+
+    def compute_loss(self, output: torch.Tensor, batch: Any, teacher: torch.Tensor | None = None) -> torch.Tensor:
+        loss = super().compute_loss(output, batch, teacher)
+        return loss * (1 + 0.1 * random.random() + 0.1 * float(np.random.rand()))
 
 
 class EpochEndWeights(pl.Callback):  # type: ignore[misc]
@@ -190,6 +211,8 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
     "ReduceLROnPlateau(val_loss)": lambda strategy, folder: fit(strategy, max_epochs=3, model_class=PlateauNet),
     "weights at epoch end": lambda strategy, folder: with_epoch_end_weights(strategy),
     "self.log in compute_loss": lambda strategy, folder: fit(strategy, max_epochs=2, model_class=LoggingNet),
+    "random and np.random in blocks and compute_loss": lambda strategy, folder: fit(strategy, max_epochs=2,
+                                                                                    model_class=HostRandomNet),
     "LearningRateMonitor": lambda strategy, folder: fit(strategy, max_epochs=2, callbacks=(
         pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
     "precision=64-true": lambda strategy, folder: fit(strategy, max_epochs=1, precision="64-true"),

@@ -9,6 +9,7 @@ only the :class:`Transport` between stages differs, so the two paths cannot drif
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 import time
@@ -38,6 +39,8 @@ _T = TypeVar("_T")
 
 # Randomness key of evaluation forwards: apart from every training subnet's (indices are >= 0).
 EVALUATION_INDEX = -1
+#: The block position in the key of ``compute_loss``'s randomness (blocks are 0, 1, ...).
+LOSS_KEY = -1
 
 _LOSS_CONTEXT: ContextVar[tuple[int, list[Any]] | None] = ContextVar("naspipe_loss_context", default=None)
 
@@ -251,6 +254,22 @@ class StageExecutor:
             yield x, y
             x = y
 
+    def _loss(self, window: Window, y: Any, piece: Any, index: int, c: int, subnet: int, chunk: int,
+              keyed: contextlib.AbstractContextManager[None]) -> Any:
+        """``compute_loss`` of the last block's output ``y``, inside ``keyed``; in-place distillation's teacher kept
+        and passed on (outside it: that may wait for a message)."""
+        if not self._wants_teacher():
+            with keyed:
+                return self.module.compute_loss(y, piece)
+        k = index - window.first_index  # in-place distillation: the step's first subnet teaches the others
+        if len(window.steps[k]) > 1:
+            self._teachers.relay(index, c, len(window.pieces[k]), self.chunk_offset)
+            if subnet == 0:
+                self._teachers.keep(index, chunk, y)
+        teacher = self._teachers.teacher(index, chunk) if subnet else None
+        with keyed:
+            return self.module.compute_loss(y, piece, teacher=teacher)  # type: ignore[call-arg]
+
     def _forward(self, window: Window, k: int, c: int) -> None:
         index = window.first_index + k
         if self.replicas is None:
@@ -277,15 +296,10 @@ class StageExecutor:
         if self.is_last:
             token = _LOSS_CONTEXT.set((index, window.records))
             try:
-                if self._wants_teacher():  # in-place distillation: the step's first subnet teaches the others
-                    if len(window.steps[k]) > 1:
-                        self._teachers.relay(index, c, len(window.pieces[k]), self.chunk_offset)
-                        if subnet == 0:
-                            self._teachers.keep(index, chunk, y)
-                    teacher = self._teachers.teacher(index, chunk) if subnet else None
-                    loss = self.module.compute_loss(y, piece, teacher=teacher)  # type: ignore[call-arg]
-                else:
-                    loss = self.module.compute_loss(y, piece)
+                # Keyed like a block: randomness in the loss (torch's, Python's, NumPy's) depends on the subnet and
+                # micro-batch only, not on what this process ran before (other stages' blocks, other replicas').
+                loss = self._loss(window, y, piece, index, c, subnet, chunk, keyed_rng(device_of(x), self.seed,
+                                                                                      index, LOSS_KEY, m))
             finally:
                 _LOSS_CONTEXT.reset(token)
             if not isinstance(loss, Tensor) or loss.dim() != 0:

@@ -3,7 +3,8 @@
 Subnet ``i`` is ``f(seed, i)`` and a block's dropout masks are drawn from a generator seeded by
 ``(seed, subnet, block, chunk)``. Every stage process evaluates these locally, and no value
 depends on how many draws happened before, so the result does not depend on the partition into
-stages, on the window, or on where a run was resumed. The global torch RNG is never consumed.
+stages, on the window, or on where a run was resumed. The global torch RNG is never consumed; nor are
+Python's and NumPy's global generators, keyed alike inside (:mod:`.host_rng`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 import torch
+
+from lightning_naspipe.pipeline.host_rng import keyed_host_generators
 
 _MASK64 = (1 << 64) - 1
 # Domain tags keep the streams for sampling and for dropout independent of each other.
@@ -54,9 +57,16 @@ def keyed_rng(device: torch.device, *key: int) -> Iterator[None]:
     """Run the body with torch's RNG for ``device`` seeded from ``key``; restore it afterwards.
 
     Only the generator of ``device`` (and the CPU one) is forked, so code that draws from the
-    global RNG inside (``nn.Dropout``, ``torch.rand``) gets draws that depend on ``key`` only.
+    global RNG inside (``nn.Dropout``, ``torch.rand``) gets draws that depend on ``key`` only; so do
+    Python's ``random`` and NumPy's global generator (:func:`.host_rng.keyed_host_generators`).
     """
     seed = mix(DROPOUT_DOMAIN, *key) & ((1 << 63) - 1)
+    with keyed_host_generators(seed), _keyed_torch(device, seed):
+        yield
+
+
+@contextlib.contextmanager
+def _keyed_torch(device: torch.device, seed: int) -> Iterator[None]:
     if device.type == "cuda":
         with torch.random.fork_rng(devices=[device], device_type="cuda"):
             torch.default_generator.manual_seed(seed)
