@@ -54,26 +54,42 @@ def _numpy_state_address() -> int | None:
     return int(bit_generator.ctypes.state_address)
 
 
+#: What :func:`seed_host_generators` saved: Python's state and cached Gaussian, NumPy's state address and bytes.
+Saved = tuple[Any, Any, "int | None", bytes]
+
+
+def seed_host_generators(seed: int) -> Saved:
+    """Seed Python's ``random`` and NumPy's global generator from ``seed``; what :func:`restore_host_generators`
+    needs to put them back (a pair of calls, not a context manager: this runs once per block and micro-batch)."""
+    python: Any = random._inst  # what random.random() and the module's other functions draw from
+    saved: Saved = (ctypes.string_at(id(python) + _PY_OFFSET, _PY_BYTES) if _RAW_PYTHON_STATE else python.getstate(),
+                    python.gauss_next, address := _numpy_state_address(),
+                    ctypes.string_at(address, _MT19937_BYTES) if address is not None else b"")
+    python.seed(seed)
+    if address is not None:
+        sys.modules["numpy"].random.seed(seed & 0xFFFFFFFF)
+    return saved
+
+
+def restore_host_generators(saved: Saved) -> None:
+    """Put back what :func:`seed_host_generators` saved."""
+    python_state, gauss_next, address, numpy_state = saved
+    python: Any = random._inst
+    if _RAW_PYTHON_STATE:
+        ctypes.memmove(id(python) + _PY_OFFSET, python_state, _PY_BYTES)
+        python.gauss_next = gauss_next
+    else:
+        python.setstate(python_state)
+    if address is not None:
+        sys.modules["numpy"].random.seed(0)  # clears a Gaussian the body left cached (the state is put back next)
+        ctypes.memmove(address, numpy_state, _MT19937_BYTES)
+
+
 @contextlib.contextmanager
 def keyed_host_generators(seed: int) -> Iterator[None]:
     """Run the body with Python's ``random`` and NumPy's global generator seeded from ``seed``; restore both."""
-    python: Any = random._inst  # what random.random() and the module's other functions draw from
-    gauss_next = python.gauss_next
-    python_state: Any = (ctypes.string_at(id(python) + _PY_OFFSET, _PY_BYTES) if _RAW_PYTHON_STATE
-                         else python.getstate())
-    python.seed(seed)
-    address = _numpy_state_address()
-    numpy_state = ctypes.string_at(address, _MT19937_BYTES) if address is not None else b""
-    if address is not None:
-        sys.modules["numpy"].random.seed(seed & 0xFFFFFFFF)
+    saved = seed_host_generators(seed)
     try:
         yield
     finally:
-        if _RAW_PYTHON_STATE:
-            ctypes.memmove(id(python) + _PY_OFFSET, python_state, _PY_BYTES)
-            python.gauss_next = gauss_next
-        else:
-            python.setstate(python_state)
-        if address is not None:
-            sys.modules["numpy"].random.seed(0)  # clears a Gaussian the body left cached (the state is put back next)
-            ctypes.memmove(address, numpy_state, _MT19937_BYTES)
+        restore_host_generators(saved)

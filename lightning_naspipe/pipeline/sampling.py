@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from lightning_naspipe.pipeline.host_rng import keyed_host_generators
+from lightning_naspipe.pipeline.host_rng import restore_host_generators, seed_host_generators
 
 _MASK64 = (1 << 64) - 1
 # Domain tags keep the streams for sampling and for dropout independent of each other.
@@ -58,25 +58,23 @@ def keyed_rng(device: torch.device, *key: int) -> Iterator[None]:
 
     Only the generator of ``device`` (and the CPU one) is forked, so code that draws from the
     global RNG inside (``nn.Dropout``, ``torch.rand``) gets draws that depend on ``key`` only; so do
-    Python's ``random`` and NumPy's global generator (:func:`.host_rng.keyed_host_generators`).
+    Python's ``random`` and NumPy's global generator (:mod:`.host_rng`).
     """
     seed = mix(DROPOUT_DOMAIN, *key) & ((1 << 63) - 1)
-    with keyed_host_generators(seed), _keyed_torch(device, seed):
-        yield
-
-
-@contextlib.contextmanager
-def _keyed_torch(device: torch.device, seed: int) -> Iterator[None]:
-    if device.type == "cuda":
-        with torch.random.fork_rng(devices=[device], device_type="cuda"):
+    host = seed_host_generators(seed)
+    try:
+        if device.type == "cuda":
+            with torch.random.fork_rng(devices=[device], device_type="cuda"):
+                torch.default_generator.manual_seed(seed)
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
+                yield
+        else:  # what fork_rng(devices=[]) does, without its per-call overhead (this runs once per block and pass)
+            state = torch.get_rng_state()
             torch.default_generator.manual_seed(seed)
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
-            yield
-    else:  # what fork_rng(devices=[]) does, without its per-call overhead (this runs once per block and pass)
-        state = torch.get_rng_state()
-        torch.default_generator.manual_seed(seed)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(state)
+            try:
+                yield
+            finally:
+                torch.set_rng_state(state)
+    finally:
+        restore_host_generators(host)
