@@ -319,6 +319,32 @@ def test_batchnorm_base() -> None:
         assert issubclass(norm, _BatchNorm)
 
 
+# -- Python and NumPy --------------------------------------------------------------------------------
+
+
+def test_host_generator_internals() -> None:
+    import _random
+    import random
+
+    import numpy as np
+
+    from lightning_naspipe.pipeline import host_rng
+
+    assert isinstance(random._inst, _random.Random), "random._inst is no longer the module's generator"
+    assert host_rng._RAW_PYTHON_STATE, "CPython's Random no longer keeps its state where host_rng copies it from"
+    bit_generator = np.random.mtrand._rand._bit_generator
+    assert isinstance(bit_generator, np.random.MT19937), "NumPy's global generator is no longer an MT19937"
+    address = int(bit_generator.ctypes.state_address)
+    # the raw bytes host_rng saves are the whole state: restoring them repeats the draws
+    saved = host_rng.seed_host_generators(7)
+    first = (random.random(), float(np.random.rand()))
+    host_rng.restore_host_generators(saved)
+    again = host_rng.seed_host_generators(7)
+    assert again[2] == address
+    assert (random.random(), float(np.random.rand())) == first
+    host_rng.restore_host_generators(again)
+
+
 # -- the table lists them all -----------------------------------------------------------------------
 
 

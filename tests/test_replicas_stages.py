@@ -94,6 +94,7 @@ def test_chunks_the_replicas_cannot_share_are_refused(tmp_path: Path) -> None:
                           env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "chunks must be a multiple of 2" in proc.stderr, proc.stderr[-3000:]
+    assert "in setup" in proc.stderr and "train_window" not in proc.stderr, "refused at setup, not at the first window"
 
 
 def test_two_by_two_with_rebalancing_offload_validation_and_search(tmp_path: Path, plain_chunks4: dict) -> None:

@@ -226,6 +226,8 @@ class NASPipeStrategy(PipelineBuilding):
         self._stages_reported = False
         self._loader: WindowLoader | None = None
         self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
+        if trainer.training and self.layout.replicas > 1:  # before any training, not at the first window
+            self.layout.check_chunks(self.chunks, len(self.lightning_module.sample_step(trainer.global_step)))
         self._build_engine(trainer.training)
         super().setup(trainer)
         if self.optimizers and not self._whole:
