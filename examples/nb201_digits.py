@@ -196,7 +196,7 @@ class NB201Supernet(lnp.NASPipeMixin, pl.LightningModule):
 
 def cli_main(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """The command-line entry point; ``args`` overrides ``sys.argv`` (used by the tests)."""
-    return LightningCLI(
+    return lnp.naspipe_cli(
         NB201Supernet,
         DigitsDataModule,
         seed_everything_default=42,

@@ -11,12 +11,14 @@ block: the pipeline gains from the step's subnets and micro-batches, not from CS
     python examples/ofa_digits.py                     # sandwich rule + distillation, 2 stages
     python examples/ofa_digits.py --recipe single     # one uniform subnet per step (SPOS), for comparison
     python examples/ofa_digits.py --devices 1         # the same result on one process, bitwise
+    python examples/ofa_digits.py --verify 8          # check 8 steps on 2 stages equal the plain Trainer
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from typing import Any
 
 import pytorch_lightning as pl
@@ -97,14 +99,21 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--flops", type=int, default=600_000, help="the search's FLOPs budget per sample")
     parser.add_argument("--out", default="runs/ofa_digits")
+    parser.add_argument("--verify", type=int, metavar="STEPS", help="instead of training, check that STEPS steps "
+                        "on --devices equal the plain Trainer bit for bit (lightning_naspipe.verify)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     model = ElasticMobileNet(args.recipe)
     train, val = loaders()
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, max_epochs=args.epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         strategy=lnp.NASPipeStrategy())
+    settings = dict(accelerator="cpu", devices=args.devices, max_epochs=args.epochs, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    strategy=lnp.NASPipeStrategy())
+    if args.verify is not None:
+        report = lnp.verify(model, train, steps=args.verify, **settings)
+        print(report.summary())
+        sys.exit(report.exit_code)
+    trainer = pl.Trainer(**settings)
     trainer.fit(model, train)
     supernet = model.supernet
     calibration = [next(iter(train))]

@@ -20,16 +20,18 @@ from lightning_naspipe.integration.cli import naspipe_cli
 from lightning_naspipe.searching.searchers import (EvolutionSearch, GridSearch, RandomSearch, Record, Searcher,
                                                     SPOSSearch)
 from lightning_naspipe.integration.strategy import NASPipeStrategy
+from lightning_naspipe.integration.verify import verify
+from lightning_naspipe.integration.verify_report import Difference, VerifyReport
 from lightning_naspipe.pipeline.step_sampling import Constrained, FairNAS, Sandwich
 from lightning_naspipe.space.choice import ChoiceBlock
 from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.transport.p2p import StageFailure
 
-__all__ = ["Architecture", "Cell", "ChoiceBlock", "Constrained", "Constraints", "Elastic", "ElasticAttention",
-           "ElasticBatchNorm1d", "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth", "ElasticLinear", "ElasticMLP",
-           "EvolutionSearch", "FairNAS", "GridSearch", "InputChoice", "LatencyPenalty", "LatencyReport",
-           "LatencyTable", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy",
-           "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult", "Searcher", "StageFailure",
-           "Supernet", "When", "Zero", "__version__", "load_subnet", "measure_latency", "naspipe_cli",
-           "recalibrate_batchnorm", "save_subnet", "search"]
+__all__ = ["Architecture", "Cell", "ChoiceBlock", "Constrained", "Constraints", "Difference", "Elastic",
+           "ElasticAttention", "ElasticBatchNorm1d", "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth",
+           "ElasticLinear", "ElasticMLP", "EvolutionSearch", "FairNAS", "GridSearch", "InputChoice", "LatencyPenalty",
+           "LatencyReport", "LatencyTable", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy",
+           "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult", "Searcher", "StageFailure", "Supernet",
+           "VerifyReport", "When", "Zero", "__version__", "load_subnet", "measure_latency", "naspipe_cli",
+           "recalibrate_batchnorm", "save_subnet", "search", "verify"]
 __version__ = "0.2.0"

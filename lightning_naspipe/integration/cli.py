@@ -1,6 +1,8 @@
-"""``naspipe_cli``: LightningCLI with a ``search`` subcommand that reads the same config file as ``fit``.
+"""``naspipe_cli``: LightningCLI with ``search`` and ``verify`` subcommands that read the same config file as ``fit``.
 
 ::
+
+    python train.py verify --config run.yaml --steps 20     # exact, or the first divergence (exit status 1)
 
     python train.py fit    --config run.yaml
     python train.py search --config run.yaml --ckpt_path runs/supernet.ckpt --max_flops 2000000
@@ -23,10 +25,13 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
+import sys
 from functools import cache
 from typing import Any, Optional, Union
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.integration.strategy import NASPipeStrategy
+from lightning_naspipe.integration.verify import adopt, compare, current_role, rerun_command, role_overrides, train_role
 from lightning_naspipe.searching.constraints import Constraints
 from lightning_naspipe.searching.export import save_subnet
 from lightning_naspipe.searching.latency import LatencyTable
@@ -37,6 +42,9 @@ from lightning_naspipe.searching.searchers import EvolutionSearch, GridSearch, R
 from lightning_naspipe.space.supernet import supernet_of
 
 __all__ = ["naspipe_cli"]
+
+#: Where the CLI keeps the arguments it parsed, and the ``verify`` subcommand's Trainer the command its runs re-run.
+_ARGUMENTS, _VERIFY_COMMAND = "_naspipe_arguments", "_naspipe_verify_command"
 
 #: What ``--searcher`` accepts (``class_path`` and ``init_args`` in a config file).
 AnySearcher = Union[RandomSearch, EvolutionSearch, SPOSSearch, GridSearch]
@@ -68,7 +76,13 @@ def _cli_class(namespace: Namespace) -> Any:
         def __init__(self, *args: Any, trainer_class: Any = default_trainer, **kwargs: Any) -> None:
             super().__init__(*args, trainer_class=_with_search(trainer_class), **kwargs)
 
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            self.__dict__[_ARGUMENTS] = args  # what verify's runs re-run (None: sys.argv)
+            super().parse_arguments(parser, args)
+
         def instantiate_trainer(self, **kwargs: Any) -> Any:
+            if self.subcommand == "verify":
+                return self._verify_trainer(**kwargs)
             if self.subcommand != "search":
                 return super().instantiate_trainer(**kwargs)
             saved = self.save_config_kwargs
@@ -83,9 +97,27 @@ def _cli_class(namespace: Namespace) -> Any:
             _own_log_folders(trainer, namespace)
             return trainer
 
+        def _verify_trainer(self, **kwargs: Any) -> Any:
+            role = current_role()
+            if role is None:  # the command the runs re-run, with the seed LightningCLI resolved (it may be random)
+                arguments = self.__dict__.get(_ARGUMENTS)
+                if arguments is not None and not isinstance(arguments, (list, tuple)):
+                    raise NASPipeConfigError("verify re-runs the command line, so naspipe_cli(args=...) must be a "
+                                             f"list of command-line arguments, not a {type(arguments).__name__}.")
+                command = rerun_command(arguments)
+                seed = self.config[self.subcommand].get("seed_everything")
+                if seed is not None and not isinstance(seed, bool):
+                    command.append(f"--seed_everything={seed}")
+                trainer = super().instantiate_trainer(**kwargs)
+                trainer.__dict__[_VERIFY_COMMAND] = command
+                return trainer
+            trainer = super().instantiate_trainer(**{**kwargs, **role_overrides(role, namespace)})
+            adopt(trainer, role)
+            return trainer
+
         @staticmethod
         def subcommands() -> dict[str, set[str]]:
-            return {**base.subcommands(), "search": {"model", "datamodule"}}
+            return {**base.subcommands(), "search": {"model", "datamodule"}, "verify": {"model", "datamodule"}}
 
     return NASPipeCLI
 
@@ -95,10 +127,10 @@ def _with_search(trainer_class: Any) -> Any:
     if not isinstance(trainer_class, type):
         raise NASPipeConfigError(f"naspipe_cli needs trainer_class to be a Trainer class, got {trainer_class!r}; "
                                  "pass a Trainer subclass rather than a function that builds one.")
-    if hasattr(trainer_class, "search"):
+    if hasattr(trainer_class, "search") and hasattr(trainer_class, "verify"):
         return trainer_class
-    return type(trainer_class.__name__, (trainer_class,), {"search": _search, "__module__": __name__,
-                                                          "__doc__": trainer_class.__doc__})
+    return type(trainer_class.__name__, (trainer_class,), {"search": _search, "verify": _verify,
+                                                          "__module__": __name__, "__doc__": trainer_class.__doc__})
 
 
 def _own_log_folders(trainer: Any, namespace: Namespace) -> None:
@@ -177,6 +209,35 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
             repeats = constraints.repeats if constraints is not None else 10
             print(f"best subnet saved to {_export(model, result, loaders, calibration, export_path, repeats)}")
     return result
+
+
+def _verify(self: Any, model: Any, datamodule: Any = None, steps: int = 20, ignore: Optional[list[str]] = None,
+            timeout: Optional[float] = None) -> None:
+    """Train ``steps`` steps with the plain Trainer and with this config's strategy, each in fresh processes, and
+    compare every weight, state and logged point (``lightning_naspipe.verify``). Prints ``exact`` or the first
+    divergence and its likely cause; exits 0 only when exact.
+
+    Args:
+        model: the LightningModule (from the config).
+        datamodule: the LightningDataModule (from the config), or None to use the module's loaders.
+        steps: training steps of each run.
+        ignore: logged names (fnmatch patterns) not compared, e.g. timings.
+        timeout: seconds each run may take.
+    """
+    role = current_role()
+    if role is not None:
+        train_role(self, model, role, datamodule=datamodule)
+        return
+    command = self.__dict__[_VERIFY_COMMAND]
+    strategy = "NASPipeStrategy" if isinstance(self.strategy, NASPipeStrategy) else type(self.strategy).__name__
+    layout = f"{strategy} on {self.num_devices * self.num_nodes} device(s) vs the plain Trainer"
+    try:
+        report = compare(command, model, layout, steps, ignore or (), timeout)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
+    print(report.summary())
+    raise SystemExit(report.exit_code)
 
 
 def _report(result: SearchResult, searcher: Any) -> None:
