@@ -30,6 +30,7 @@ class _World:
         self.losses: list[Tensor | None] | None = None
         self.shared: list[Any] = []
         self.stages = stages
+        self.failed = False  # a stage raised: the others stop waiting for it
 
 
 class LocalTransport:
@@ -75,9 +76,10 @@ class LocalTransport:
 
     def _take(self, frm: int) -> Any:
         queue = self.world.queues.setdefault((frm, self.stage), [])
-        self.world.baton.wait_for(lambda: bool(queue), timeout=60)
+        self.world.baton.wait_for(lambda: bool(queue) or self.world.failed, timeout=60)
         if not queue:
-            raise RuntimeError(f"stage {self.stage} waited 60 s for stage {frm}: the schedule deadlocks")
+            raise RuntimeError(f"stage {self.stage} stopped waiting for stage {frm}: "
+                               + ("another stage failed" if self.world.failed else "60 s, the schedule deadlocks"))
         return wire.unpack(queue.pop(0))
 
     def _take_for(self, frm: int, key: tuple[int, int]) -> Any:
@@ -163,6 +165,7 @@ def train_pipelined(module: EngineModule | Sequence[EngineModule], stage_blocks:
                     windows.append(engine.train_window(module, batches[start:start + window], start, upcoming))
             except BaseException as error:  # reported by the driver
                 errors.append(error)
+                world.failed = True
                 world.baton.notify_all()
 
     results: list[list[Window]] = [[] for _ in built]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pytorch_lightning.loggers import CSVLogger
 
 import lightning_naspipe as lnp
-from helpers import toy_loader, train
+from helpers import ToyNet, pl, toy_loader, train
 
 LOGGED = ("train_loss_step", "train_loss_epoch", "val_loss")
 
@@ -63,3 +64,23 @@ def test_self_log_runs_once_per_epoch_and_the_metrics_match_the_plain_run(monkey
         ours, theirs = getattr(piped, metrics), getattr(plain, metrics)
         assert ours.keys() == theirs.keys() and all(
             torch.equal(torch.as_tensor(ours[k]), torch.as_tensor(theirs[k])) for k in ours), metrics
+
+
+class _LogsInBackward(ToyNet):  # type: ignore[misc, valid-type]
+    def on_after_backward(self) -> None:
+        self.log("seen_backward", 1.0)
+
+
+class _LogsGradients(pl.Callback):  # type: ignore[misc, name-defined]
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        pl_module.log("grad_sum", sum(float(p.grad.sum()) for p in pl_module.parameters() if p.grad is not None))
+
+
+def test_logging_from_a_backward_or_optimizer_hook_is_refused_under_the_strategy_and_kept_plain() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match=r"self.log\('seen_backward', ...\) in on_after_backward.*"
+                                                     r"compute_loss"):
+        train(lnp.NASPipeStrategy(window=2), model_cls=_LogsInBackward, max_epochs=1)
+    with pytest.raises(lnp.NASPipeConfigError, match=r"'grad_sum', ...\) in on_before_optimizer_step"):
+        train(lnp.NASPipeStrategy(window=2), max_epochs=1, callbacks=[_LogsGradients()])
+    _, trainer = train(None, model_cls=_LogsInBackward, max_epochs=1, callbacks=[_LogsGradients()])
+    assert {"seen_backward", "grad_sum"} <= set(trainer.callback_metrics)  # the plain Trainer: exact, allowed

@@ -122,3 +122,11 @@ def test_val_check_interval_in_batches_is_refused_with_windows() -> None:
               val_loader=toy_loader(samples=16, shuffle=False))
     train(lnp.NASPipeStrategy(window=1), max_epochs=1, val_check_interval=3,
           val_loader=toy_loader(samples=16, shuffle=False))  # one subnet per batch: exact, allowed
+
+
+def test_weight_averaging_is_refused_under_the_strategy_and_kept_plain() -> None:
+    with pytest.raises(lnp.NASPipeConfigError, match=r"EMAWeightAveraging \(a WeightAveraging callback\).*plain "
+                                                     r"Trainer"):
+        train(lnp.NASPipeStrategy(window=2), max_epochs=1, callbacks=[pl.callbacks.EMAWeightAveraging()])
+    model, _ = train(None, max_epochs=1, callbacks=[pl.callbacks.EMAWeightAveraging(decay=0.5)])
+    assert model.global_step == 12  # the plain Trainer averages per subnet batch: allowed

@@ -110,6 +110,8 @@ def validate_run(trainer: Any, module: object) -> None:
             "optimization; NASPipe steps one subnet at a time. Use it when fine-tuning the exported subnet "
             "(lnp.save_subnet, or supernet.freeze(architecture)) with a plain LightningModule."
         )
+    if isinstance(trainer.strategy, PipelineRunner):
+        _refuse_weight_averaging(trainer)
     if trainer.accumulate_grad_batches != 1:
         raise NASPipeConfigError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: every batch "
@@ -218,6 +220,20 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         tracker = getattr(trainer.strategy, "data_tracker", None)
         if tracker is not None and "data" in state:
             tracker.load_state_dict(state["data"])
+
+
+def _refuse_weight_averaging(trainer: Any) -> None:
+    """Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``) under the strategy."""
+    classes = tuple(getattr(ns.pytorch.callbacks, "WeightAveraging", ()) for ns in installed())
+    averaging = [type(c).__name__ for c in trainer.callbacks if isinstance(c, tuple(k for k in classes if k))]
+    if averaging:
+        raise NASPipeConfigError(
+            f"{averaging[0]} (a WeightAveraging callback) updates its average in on_train_batch_end from the whole "
+            "module's weights. Under NASPipeStrategy a Lightning batch is a window of subnets, and on several "
+            "stages each process holds current weights for its own blocks only, so the average would differ from "
+            "the plain Trainer's. Average the weights with the plain Trainer (exact there: one subnet per batch), "
+            "or average saved checkpoints after training (torch.optim.swa_utils.AveragedModel)."
+        )
 
 
 class StageWeightsSync(*_CALLBACK_BASES):  # type: ignore[misc]

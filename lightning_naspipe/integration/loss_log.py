@@ -131,6 +131,23 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
 
 
 #: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.
+#: Hooks that run inside a window's backward and updates, on each stage for its own blocks.
+STAGE_HOOKS = frozenset({"on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                         "configure_gradient_clipping", "on_before_zero_grad", "optimizer_zero_grad"})
+
+
+def refuse_stage_hook_logging(name: str, hook: str | None) -> None:
+    """Refuse ``self.log(name, ...)`` from a hook of :data:`STAGE_HOOKS` while a window trains under the strategy."""
+    if hook not in STAGE_HOOKS:
+        return
+    raise NASPipeConfigError(
+        f"self.log({name!r}, ...) in {hook}: under NASPipeStrategy this hook runs inside a window of subnets, on "
+        "each stage for its own blocks only (rank 0, which logs, sees its blocks' gradients alone), so the logged "
+        "values would differ from the plain Trainer's. Log per subnet from compute_loss (logged in the subnet's own "
+        "step) or on_train_subnet_end; a hook that only reads or clips gradients, without logging, is fine."
+    )
+
+
 RESUMED_SUM = "_naspipe_resumed_loss_sum"
 #: ``(epoch, sum, batch count)`` behind ``train_loss_epoch`` after the last logged window.
 EPOCH_SUM = "_naspipe_epoch_loss_sum"

@@ -19,7 +19,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.executor import loss_context
 from lightning_naspipe.pipeline.window import Window
 from lightning_naspipe.pipeline.microbatch import Batch
-from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses
+from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses, refuse_stage_hook_logging
 from lightning_naspipe.namespaces import installed, namespace_of
 from lightning_naspipe.pipeline.sampling import EVAL_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.space.choice import Architecture
@@ -151,6 +151,8 @@ class NASPipeMixin:
         subnet's own step (see :mod:`.loss_log`)."""
         context = loss_context() if self.__dict__.get("_naspipe_records_logs") else None
         if context is None:
+            if self.__dict__.get("_naspipe_records_logs"):
+                refuse_stage_hook_logging(name, getattr(self, "_current_fx_name", None))
             super().log(name, value, *args, **kwargs)  # type: ignore[misc]  # LightningModule.log
             return
         index, records = context

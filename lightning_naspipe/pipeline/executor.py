@@ -26,6 +26,7 @@ from lightning_naspipe.pipeline.microbatch import Batch
 from lightning_naspipe.pipeline.sampling import keyed_rng
 from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.pipeline.distillation import Teachers, wants_teacher
+from lightning_naspipe.pipeline.loss_state import outside_state
 from lightning_naspipe.pipeline.replicas import ReplicaUpdates
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import BlockValue, Supernet, describe
@@ -258,17 +259,24 @@ class StageExecutor:
               keyed: contextlib.AbstractContextManager[None]) -> Any:
         """``compute_loss`` of the last block's output ``y``, inside ``keyed``; in-place distillation's teacher kept
         and passed on (outside it: that may wait for a message)."""
+        # On several processes compute_loss runs on the last stage only: what it changes outside the supernet
+        watch = outside_state(self.module) if self.transport is not None or self.replicas is not None else None
+        before = watch.snapshot() if watch is not None else None
         if not self._wants_teacher():
             with keyed:
-                return self.module.compute_loss(y, piece)
-        k = index - window.first_index  # in-place distillation: the step's first subnet teaches the others
-        if len(window.steps[k]) > 1:
-            self._teachers.relay(index, c, len(window.pieces[k]), self.chunk_offset)
-            if subnet == 0:
-                self._teachers.keep(index, chunk, y)
-        teacher = self._teachers.teacher(index, chunk) if subnet else None
-        with keyed:
-            return self.module.compute_loss(y, piece, teacher=teacher)  # type: ignore[call-arg]
+                loss = self.module.compute_loss(y, piece)
+        else:
+            k = index - window.first_index  # in-place distillation: the step's first subnet teaches the others
+            if len(window.steps[k]) > 1:
+                self._teachers.relay(index, c, len(window.pieces[k]), self.chunk_offset)
+                if subnet == 0:
+                    self._teachers.keep(index, chunk, y)
+            teacher = self._teachers.teacher(index, chunk) if subnet else None
+            with keyed:
+                loss = self.module.compute_loss(y, piece, teacher=teacher)  # type: ignore[call-arg]
+        if watch is not None and before is not None:
+            watch.refuse_changes(before)
+        return loss
 
     def _forward(self, window: Window, k: int, c: int) -> None:
         index = window.first_index + k
