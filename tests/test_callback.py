@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +144,80 @@ def test_an_epoch_end_sends_only_what_changed_and_only_when_something_reads_it(t
     assert piped[False]["sent"] == [0, 0, 0]  # nothing read the weights: no epoch end sent any
     for run in (piped[True], piped[False]):
         assert all(torch.equal(plain["final"][name], run["final"][name]) for name in plain["final"])
+
+
+# -- the space a checkpoint was trained on ------------------------------------------------------------------
+
+#: What resuming ToyNet's checkpoint into the space with LNP_TEST_EXTRA_CANDIDATE=1 names.
+EXTRA_CANDIDATE = ("choice 'block1' (blocks.1) had candidates [Sequential, Identity, Sequential] in the checkpoint, "
+                   "now [Sequential, Identity, Sequential, Identity]")
+
+
+def _checkpoint(tmp_path: Path, strategy: Any = None) -> Path:
+    _, trainer = train(strategy, max_steps=4)
+    ckpt = tmp_path / "four.ckpt"
+    trainer.save_checkpoint(ckpt)
+    return ckpt
+
+
+class SkipsSuperOnLoad(ToyNet):
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:  # the habit: no super() call
+        pass
+
+
+@pytest.mark.parametrize("strategy, module_cls", [(None, ToyNet), ("naspipe", ToyNet), (None, SkipsSuperOnLoad)],
+                         ids=["plain", "naspipe", "override-without-super"])
+def test_resume_into_another_space_is_refused_before_training_naming_the_difference(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str | None, module_cls: type) -> None:
+    """One more parameter-free candidate: the same state dict's keys and shapes, which loaded silently."""
+    ckpt = _checkpoint(tmp_path)
+    assert torch.load(ckpt, weights_only=True)["naspipe"]["space"]["labels"][0] == ["block1", 3]
+    monkeypatch.setenv("LNP_TEST_EXTRA_CANDIDATE", "1")
+    model = module_cls()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = trainer_kwargs(max_steps=8) | ({"strategy": lnp.NASPipeStrategy(window=4)} if strategy else {})
+    trainer = pl.Trainer(**kwargs)
+    with pytest.raises(lnp.NASPipeConfigError) as error:
+        trainer.fit(model, toy_loader(), ckpt_path=ckpt)
+    assert str(error.value) == (
+        f"The checkpoint {ckpt} was trained on another search space than {module_cls.__name__}'s supernet: "
+        f"{EXTRA_CANDIDATE}. Resuming would train another space without a complaint (tensors of equal shapes load "
+        "as they are, and every subnet sampled from here on differs). Resume with the space the checkpoint was "
+        f"trained with; or, to train this space from its weights, start a new run: {module_cls.__name__}"
+        ".load_from_checkpoint(path, strict=False), then trainer.fit(model) without ckpt_path (or start fresh).")
+    assert trainer.global_step == 0 and not model.losses
+    if module_cls is ToyNet:  # refused before the weights load; without super(), the callback refuses after
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_as_before(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = _checkpoint(tmp_path, lnp.NASPipeStrategy(window=4))
+    raw = torch.load(ckpt, weights_only=False)
+    del raw["naspipe"]["space"]  # as an earlier release wrote it
+    torch.save(raw, ckpt)
+    monkeypatch.setenv("LNP_TEST_EXTRA_CANDIDATE", "1")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=8, strategy=lnp.NASPipeStrategy(window=4)))
+    trainer.fit(ToyNet(), toy_loader(), ckpt_path=ckpt)
+    assert trainer.global_step == 8
+
+
+def test_validating_a_checkpoint_of_another_space_is_refused_unless_strict_loading_is_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``search`` loads its checkpoint through ``trainer.validate(ckpt_path=...)``: refused there too."""
+    ckpt = _checkpoint(tmp_path)
+    monkeypatch.setenv("LNP_TEST_EXTRA_CANDIDATE", "1")
+    model = ToyNet()
+    trainer = pl.Trainer(**trainer_kwargs(limit_val_batches=1))
+    name = type(model).__name__
+    with pytest.raises(lnp.NASPipeConfigError, match=re.escape(
+            f"another search space than {name}'s supernet: {EXTRA_CANDIDATE}. Evaluate it with the space it was "
+            f"trained with, or set strict_loading = False on {name} to load its weights into this space anyway.")):
+        trainer.validate(model, toy_loader(samples=8), ckpt_path=ckpt, verbose=False)
+    model.strict_loading = False
+    trainer.validate(model, toy_loader(samples=8), ckpt_path=ckpt, verbose=False)
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    # load_from_checkpoint has no Trainer: its strict argument decides, as in Lightning.
+    loaded = ToyNet.load_from_checkpoint(ckpt)
+    assert len(loaded.supernet.blocks[1]) == 4
