@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import lightning.pytorch
 import pytorch_lightning as pl
 import torch
 
 import lightning_naspipe as lnp
-from helpers import ToyNet, assert_same_state, full_state, toy_loader, train, trainer_kwargs
+from helpers import TOY_NETS, ToyNet, assert_same_state, full_state, toy_loader, train, trainer_kwargs
 
 
 class EpochScheduled(ToyNet):
@@ -221,3 +223,47 @@ def test_validating_a_checkpoint_of_another_space_is_refused_unless_strict_loadi
     # load_from_checkpoint has no Trainer: its strict argument decides, as in Lightning.
     loaded = ToyNet.load_from_checkpoint(ckpt)
     assert len(loaded.supernet.blocks[1]) == 4
+
+
+# -- Lightning's advice on checkpoints under manual optimization ------------------------------------------------
+
+ADVICE = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
+
+
+class ManualBody:
+    """A manual-optimization module without NASPipe: Lightning's advice is for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(6, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1]))
+        optimizer.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy, namespace", [(None, pl), ("naspipe", pl), ("naspipe", lightning.pytorch)],
+                         ids=["plain", "naspipe", "naspipe-lightning.pytorch"])
+def test_lightnings_advice_to_save_weights_before_the_step_is_not_shown_to_naspipe_runs_only(
+        tmp_path: Path, strategy: str | None, namespace: Any) -> None:
+    """A NASPipe checkpoint at step k holds the weights after subnet k's update, which is where a resume goes on."""
+    def run(module: Any, **kwargs: Any) -> list[str]:
+        folder = tmp_path / type(module).__name__
+        checkpoint = namespace.callbacks.ModelCheckpoint(folder, every_n_train_steps=2, save_top_k=-1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            namespace.Trainer(**trainer_kwargs(max_steps=4, callbacks=[checkpoint], enable_checkpointing=True,
+                                               **kwargs)).fit(module, toy_loader())
+        assert len(list(folder.glob("*.ckpt"))) == 2
+        return [str(w.message) for w in seen if ADVICE in str(w.message)]
+
+    assert run(TOY_NETS[namespace](), **({"strategy": lnp.NASPipeStrategy(window=4)} if strategy else {})) == []
+    # Only while a NASPipe run is set up: a module Lightning's advice is for still gets it after one.
+    manual = type("ManualNet", (ManualBody, namespace.LightningModule), {})
+    assert len(run(manual())) == 2  # once per checkpoint under "always"

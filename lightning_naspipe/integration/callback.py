@@ -11,6 +11,8 @@ block's weights at each epoch's end.
 
 from __future__ import annotations
 
+import re
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -25,6 +27,15 @@ from lightning_naspipe.space.fingerprint import space_changes, space_fingerprint
 from lightning_naspipe.space.supernet import supernet_of
 
 CHECKPOINT_KEY = "naspipe"
+
+# Lightning's ModelCheckpoint warns, for every manual-optimization module, that a checkpoint written every n training
+# steps holds the weights after the optimizer step unless training_step saved them before it. A NASPipe checkpoint
+# at step k is meant to hold them after subnet k's update: a resume continues there with subnet k (windows end at
+# checkpoint steps), on one device and on stages alike. So the advice does not apply; ignored, from that module
+# only, while a NASPipe run is set up (NASPipeCallback.setup to teardown).
+_AFTER_STEP_ADVICE = ("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+                      "pre-optimization state was saved")
+_CHECKPOINT_MODULES = r"(lightning\.pytorch|pytorch_lightning)\.callbacks\.model_checkpoint\Z"
 
 if TYPE_CHECKING:
     from lightning_naspipe.pipeline.engine import Engine
@@ -176,6 +187,13 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         restore(trainer)  # the gradient_clip_val validate_run set aside
+        warnings.filterwarnings("ignore", re.escape(_AFTER_STEP_ADVICE), UserWarning, _CHECKPOINT_MODULES)
+        self._quiet = warnings.filters[0]  # filterwarnings puts it first
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        quiet = self.__dict__.pop("_quiet", None)
+        if quiet in warnings.filters:  # not when a catch_warnings block around the run restored the list
+            warnings.filters.remove(quiet)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         restore(trainer)
