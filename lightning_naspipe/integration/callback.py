@@ -15,7 +15,7 @@ import re
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
@@ -192,8 +192,9 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         quiet = self.__dict__.pop("_quiet", None)
-        if quiet in warnings.filters:  # not when a catch_warnings block around the run restored the list
-            warnings.filters.remove(quiet)
+        filters = cast("list[Any]", warnings.filters)  # a list, typed as a Sequence
+        if quiet in filters:  # not when a catch_warnings block around the run restored the list
+            filters.remove(quiet)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         restore(trainer)
