@@ -217,7 +217,8 @@ class Elastic(nn.Module):
             choice = architecture.get(dim.label) if architecture is not None and dim.label is not None else None
             active = f"{dim.values[choice]} of " if isinstance(choice, int) and 0 <= choice < len(dim.values) else ""
             dims.append(f"{name} {active}{dim.values}, label {dim.label!r}")
-        at = f" at {self.supernet_path}" if self.supernet_path else ""
+        path = self.__dict__.get("supernet_path")  # absent in a module pickled by an earlier release
+        at = f" at {path}" if path else ""
         return f"{type(self).__name__}{at}" + (f" ({'; '.join(dims)})" if dims else "")
 
     def raise_located(self, error: RuntimeError) -> NoReturn:

@@ -107,7 +107,7 @@ class Supernet(nn.Module):
                     "to the outer Supernet directly, or use ChoiceBlock inside the block."
                 )
             if isinstance(module, Elastic):
-                if module.supernet_path is None:  # a module used twice is named where it first appears
+                if module.__dict__.get("supernet_path") is None:  # a module used twice: named where it first is
                     module.supernet_path = f"supernet.blocks.{index}{name[len(f'block{index}'):]}"
                 for dim_name, dim in module.dims.items():
                     if dim.label is None:
