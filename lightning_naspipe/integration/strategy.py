@@ -228,7 +228,8 @@ class NASPipeStrategy(PipelineBuilding):
         self._loader: WindowLoader | None = None
         self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
         if trainer.training and self.layout.replicas > 1:  # before any training, not at the first window
-            self.layout.check_chunks(self.chunks, len(self.lightning_module.sample_step(trainer.global_step)))
+            module: Any = self.lightning_module  # the mixin's (connect checked it)
+            self.layout.check_chunks(self.chunks, len(module.sample_step(trainer.global_step)))
         self._build_engine(trainer.training)
         super().setup(trainer)
         if self.optimizers and not self._whole:
