@@ -81,8 +81,8 @@ class NASPipeStrategy(PipelineBuilding):
             the subnets per step must be a multiple of the replicas; refused at the first training window
             otherwise), and the replicas sum their gradients in micro-batch order: results never depend
             on the layout. ``"auto"``: the layout the planner predicts fastest, chosen on the first training
-            batch (every rank profiles a share of the supernet on its first micro-batch; logged, and recorded in
-            the loggers' hyperparameters ``naspipe/num_stages``, ``naspipe/replicas``, ...): the run starts
+            batch (every rank profiles a share of the supernet on its first micro-batch; logged, also as the
+            loggers' hyperparameters ``naspipe/...``): the run starts
             with one stage per process and, if another layout wins, makes every rank whole and rebuilds the
             pipeline before the first window trains. Only layouts that leave a training step's ``subnets * chunks``
             a multiple of the replicas are considered.
