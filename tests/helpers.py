@@ -46,7 +46,9 @@ class ToyBody(lnp.NASPipeMixin):
         self.supernet = lnp.Supernet(
             stem,  # trainable stem: conflicts with every subnet
             lnp.ChoiceBlock([nn.Sequential(nn.Linear(width, width), nn.ReLU()), nn.Identity(),
-                             nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3))]),
+                             nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3)),
+                             # LNP_TEST_EXTRA_CANDIDATE=1: another space with the same state dict's keys and shapes
+                             *([nn.Identity()] if os.environ.get("LNP_TEST_EXTRA_CANDIDATE") else [])]),
             lnp.ChoiceBlock({"bn": nn.BatchNorm1d(width), "tanh": nn.Tanh(), "lin": nn.Linear(width, width)},
                             label="shared"),
             lnp.ChoiceBlock([nn.Sequential(nn.Dropout(0.2), nn.Linear(width, width)), nn.ReLU(),

@@ -68,6 +68,7 @@ def main() -> None:
                         help="after fit: trainer.validate, then a checkpoint to OUT.after_validate, and last a "
                              "save_checkpoint on rank 0 only (OUT.rank0only, its error to OUT.rank0only.error)")
     parser.add_argument("--log-dir", default=None, help="validate each epoch and log to a CSVLogger here")
+    parser.add_argument("--csv-logger", default=None, help="a CSVLogger here, and nothing else added")
     parser.add_argument("--example-input", action="store_true", help="set supernet_example_input (timed split)")
     parser.add_argument("--fake-block-costs", type=float, nargs="+", default=None,
                         help="what timing the first batch's blocks measures (records what it was timed on)")
@@ -98,8 +99,11 @@ def main() -> None:
     if args.force_layout is not None:
         import lightning_naspipe.integration.pipeline_build as pipeline_build
 
-        def forced(*args_: object, **kwargs: object) -> tuple[int, str]:
-            return args.force_layout, f"forced layout: {args.force_layout} stages"
+        from lightning_naspipe.integration.auto_layout import LayoutChoice, layout_hparams
+
+        def forced(*args_: object, **kwargs: object) -> LayoutChoice:
+            return LayoutChoice(args.force_layout, f"forced layout: {args.force_layout} stages",
+                                layout_hparams(args.force_layout, args.devices // args.force_layout, "forced"))
 
         pipeline_build.chosen_stages = forced  # type: ignore[assignment]
     if args.fake_block_costs:
@@ -129,6 +133,8 @@ def main() -> None:
                       EarlyStopping(monitor="val_loss", patience=5)]
         logging = {"logger": CSVLogger(args.log_dir, name="", version=""), "log_every_n_steps": 1,
                    "enable_checkpointing": True}
+    if args.csv_logger:
+        logging["logger"] = CSVLogger(args.csv_logger, name="", version="")
     if args.every_n_steps:
         callbacks.append(ModelCheckpoint(dirpath=args.out + ".steps", every_n_train_steps=args.every_n_steps,
                                          save_top_k=-1, filename="{step}"))

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
+import lightning.pytorch
 import pytest
+import pytorch_lightning
+import yaml
 
 import lightning_naspipe as lnp
 from lightning_naspipe.integration.auto_layout import CPU_OVERHEADS, chosen_stages
@@ -23,9 +28,10 @@ def test_where_one_layout_fits_nothing_is_profiled() -> None:
     def profile(deferred: bool) -> SpaceSpec:
         raise AssertionError("profiled")
 
-    stages, message = chosen_stages(profile, 2, 4, chunks=1, window=8, is_global_zero=True, broadcast=lambda v: v,
-                                    device_type="cpu")
+    stages, message, hparams = chosen_stages(profile, 2, 4, chunks=1, window=8, is_global_zero=True,
+                                             broadcast=lambda v: v, device_type="cpu")
     assert stages == 2 and "2 stage(s) x 1 replica(s), the only layout of 2 processes that fits" in message
+    assert hparams == {"naspipe/num_stages": 2, "naspipe/replicas": 1, "naspipe/layout_chosen_by": "only fit"}
 
 
 def test_no_layout_that_fits_is_refused_naming_the_fix() -> None:
@@ -50,12 +56,28 @@ def test_the_profile_times_the_deferred_passes_only_where_the_plan_uses_them(
 
 def test_rank_zero_plans_on_the_micro_batch_costs_times_chunks_and_every_rank_takes_its_choice() -> None:
     micro = _stem_and_head()
-    stages, message = chosen_stages(lambda deferred: micro, 2, 4, 2, 8, True, lambda v: v, "cpu")
+    stages, message, hparams = chosen_stages(lambda deferred: micro, 2, 4, 2, 8, True, lambda v: v, "cpu")
     whole = dataclasses.replace(micro.compute_scaled(lambda ms: ms * 2), **CPU_OVERHEADS)
     predictions = plan_layouts(whole, 2, 8, 2)
     assert stages == best_layout(predictions).stages == 1
+    rates = ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}" for p in predictions)
     assert message.startswith("NASPipe: num_stages='auto' chose 1 stage(s) x 2 replica(s); predicted subnets/s per "
-                              "stages x replicas: " + ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}"
-                                                                for p in predictions))
+                              "stages x replicas: " + rates)
+    assert hparams == {"naspipe/num_stages": 1, "naspipe/replicas": 2, "naspipe/layout_chosen_by": "planner",
+                       "naspipe/predicted_rate": round(best_layout(predictions).subnets_per_s, 2),
+                       "naspipe/predicted_rate_unit": "subnets/s", "naspipe/predicted_rates": rates}
     # Elsewhere: rank 0's choice, whatever this rank would have planned.
-    assert chosen_stages(lambda deferred: micro, 2, 4, 2, 8, False, lambda v: (2, "rank 0's"), "cpu") == (2, "rank 0's")
+    assert chosen_stages(lambda deferred: micro, 2, 4, 2, 8, False, lambda v: (2, "rank 0's", {"a": 1}),
+                         "cpu") == (2, "rank 0's", {"a": 1})
+
+
+@pytest.mark.parametrize("namespace", [lightning.pytorch, pytorch_lightning])
+def test_the_choice_as_hyperparameters_lands_in_a_csv_loggers_hparams_yaml(tmp_path: Path, namespace: Any) -> None:
+    """What NASPipeStrategy hands every logger of the Trainer on rank 0 (pipeline_build._chosen_layout)."""
+    _, _, hparams = chosen_stages(lambda deferred: _stem_and_head(), 2, 4, 2, 8, True, lambda v: v, "cpu")
+    logger = namespace.loggers.CSVLogger(tmp_path, name="", version="")
+    logger.log_hyperparams({"lr": 0.05})  # the module's, logged by the Trainer before the first batch
+    logger.log_hyperparams(hparams)
+    logger.save()
+    saved = yaml.safe_load((tmp_path / "hparams.yaml").read_text())
+    assert saved == {"lr": 0.05, **hparams} and saved["naspipe/num_stages"] == 1 and saved["naspipe/replicas"] == 2

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import lightning.pytorch
 import pytorch_lightning as pl
 import torch
 
 import lightning_naspipe as lnp
-from helpers import ToyNet, assert_same_state, full_state, toy_loader, train, trainer_kwargs
+from helpers import TOY_NETS, ToyNet, assert_same_state, full_state, toy_loader, train, trainer_kwargs
 
 
 class EpochScheduled(ToyNet):
@@ -143,3 +146,124 @@ def test_an_epoch_end_sends_only_what_changed_and_only_when_something_reads_it(t
     assert piped[False]["sent"] == [0, 0, 0]  # nothing read the weights: no epoch end sent any
     for run in (piped[True], piped[False]):
         assert all(torch.equal(plain["final"][name], run["final"][name]) for name in plain["final"])
+
+
+# -- the space a checkpoint was trained on ------------------------------------------------------------------
+
+#: What resuming ToyNet's checkpoint into the space with LNP_TEST_EXTRA_CANDIDATE=1 names.
+EXTRA_CANDIDATE = ("choice 'block1' (blocks.1) had candidates [Sequential, Identity, Sequential] in the checkpoint, "
+                   "now [Sequential, Identity, Sequential, Identity]")
+
+
+def _checkpoint(tmp_path: Path, strategy: Any = None) -> Path:
+    _, trainer = train(strategy, max_steps=4)
+    ckpt = tmp_path / "four.ckpt"
+    trainer.save_checkpoint(ckpt)
+    return ckpt
+
+
+class SkipsSuperOnLoad(ToyNet):
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:  # the habit: no super() call
+        pass
+
+
+@pytest.mark.parametrize("strategy, module_cls", [(None, ToyNet), ("naspipe", ToyNet), (None, SkipsSuperOnLoad)],
+                         ids=["plain", "naspipe", "override-without-super"])
+def test_resume_into_another_space_is_refused_before_training_naming_the_difference(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str | None, module_cls: type) -> None:
+    """One more parameter-free candidate: the same state dict's keys and shapes, which loaded silently."""
+    ckpt = _checkpoint(tmp_path)
+    assert torch.load(ckpt, weights_only=True)["naspipe"]["space"]["labels"][0] == ["block1", 3]
+    monkeypatch.setenv("LNP_TEST_EXTRA_CANDIDATE", "1")
+    model = module_cls()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = trainer_kwargs(max_steps=8) | ({"strategy": lnp.NASPipeStrategy(window=4)} if strategy else {})
+    trainer = pl.Trainer(**kwargs)
+    with pytest.raises(lnp.NASPipeConfigError) as error:
+        trainer.fit(model, toy_loader(), ckpt_path=ckpt)
+    assert str(error.value) == (
+        f"The checkpoint {ckpt} was trained on another search space than {module_cls.__name__}'s supernet: "
+        f"{EXTRA_CANDIDATE}. Resuming would train another space without a complaint (tensors of equal shapes load "
+        "as they are, and every subnet sampled from here on differs). Resume with the space the checkpoint was "
+        f"trained with; or, to train this space from its weights, start a new run: {module_cls.__name__}"
+        ".load_from_checkpoint(path, strict=False), then trainer.fit(model) without ckpt_path (or start fresh).")
+    assert trainer.global_step == 0 and not model.losses
+    if module_cls is ToyNet:  # refused before the weights load; without super(), the callback refuses after
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_as_before(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = _checkpoint(tmp_path, lnp.NASPipeStrategy(window=4))
+    raw = torch.load(ckpt, weights_only=False)
+    del raw["naspipe"]["space"]  # as an earlier release wrote it
+    torch.save(raw, ckpt)
+    monkeypatch.setenv("LNP_TEST_EXTRA_CANDIDATE", "1")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=8, strategy=lnp.NASPipeStrategy(window=4)))
+    trainer.fit(ToyNet(), toy_loader(), ckpt_path=ckpt)
+    assert trainer.global_step == 8
+
+
+def test_validating_a_checkpoint_of_another_space_is_refused_unless_strict_loading_is_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``search`` loads its checkpoint through ``trainer.validate(ckpt_path=...)``: refused there too."""
+    ckpt = _checkpoint(tmp_path)
+    monkeypatch.setenv("LNP_TEST_EXTRA_CANDIDATE", "1")
+    model = ToyNet()
+    trainer = pl.Trainer(**trainer_kwargs(limit_val_batches=1))
+    name = type(model).__name__
+    with pytest.raises(lnp.NASPipeConfigError, match=re.escape(
+            f"another search space than {name}'s supernet: {EXTRA_CANDIDATE}. Evaluate it with the space it was "
+            f"trained with, or set strict_loading = False on {name} to load its weights into this space anyway.")):
+        trainer.validate(model, toy_loader(samples=8), ckpt_path=ckpt, verbose=False)
+    model.strict_loading = False
+    trainer.validate(model, toy_loader(samples=8), ckpt_path=ckpt, verbose=False)
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    # load_from_checkpoint has no Trainer: its strict argument decides, as in Lightning.
+    loaded = ToyNet.load_from_checkpoint(ckpt)
+    assert len(loaded.supernet.blocks[1]) == 4
+
+
+# -- Lightning's advice on checkpoints under manual optimization ------------------------------------------------
+
+ADVICE = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
+
+
+class ManualBody:
+    """A manual-optimization module without NASPipe: Lightning's advice is for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(6, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1]))
+        optimizer.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy, namespace", [(None, pl), ("naspipe", pl), ("naspipe", lightning.pytorch)],
+                         ids=["plain", "naspipe", "naspipe-lightning.pytorch"])
+def test_lightnings_advice_to_save_weights_before_the_step_is_not_shown_to_naspipe_runs_only(
+        tmp_path: Path, strategy: str | None, namespace: Any) -> None:
+    """A NASPipe checkpoint at step k holds the weights after subnet k's update, which is where a resume goes on."""
+    def run(module: Any, **kwargs: Any) -> list[str]:
+        folder = tmp_path / type(module).__name__
+        checkpoint = namespace.callbacks.ModelCheckpoint(folder, every_n_train_steps=2, save_top_k=-1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            namespace.Trainer(**trainer_kwargs(max_steps=4, callbacks=[checkpoint], enable_checkpointing=True,
+                                               **kwargs)).fit(module, toy_loader())
+        assert len(list(folder.glob("*.ckpt"))) == 2
+        return [str(w.message) for w in seen if ADVICE in str(w.message)]
+
+    assert run(TOY_NETS[namespace](), **({"strategy": lnp.NASPipeStrategy(window=4)} if strategy else {})) == []
+    # Only while a NASPipe run is set up: a module Lightning's advice is for still gets it after one.
+    manual = type("ManualNet", (ManualBody, namespace.LightningModule), {})
+    assert len(run(manual())) == 2  # once per checkpoint under "always"

@@ -4,6 +4,7 @@ labels, sampling, resources, BatchNorm statistics; training with the mixin, plai
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Any
 
 import pytest
@@ -262,3 +263,42 @@ def test_the_timed_split_runs_elastic_blocks() -> None:
 
     weights = timed_block_weights(conv_space(), torch.randn(2, 3, 8, 8), repeats=1)
     assert len(weights) == 3 and all(w > 0 for w in weights)
+
+
+def test_a_width_mismatch_names_the_module_path_its_labels_and_the_active_sizes() -> None:
+    space = lnp.Supernet(nn.Sequential(lnp.ElasticLinear(4, [20, 40], label="w1"), nn.ReLU()),
+                         nn.Sequential(nn.Identity(), lnp.ElasticLinear([20, 40], [8, 16], in_label="w1", label="w2")))
+    fc = space.blocks[1][1]
+    assert fc.supernet_path == "supernet.blocks.1.1"  # the state dict's prefix under the module's self.supernet
+    with pytest.raises(RuntimeError) as error:
+        space.run_block(1, torch.randn(2, 32), {"w1": 1, "w2": 1})
+    assert str(error.value).startswith(
+        "ElasticLinear at supernet.blocks.1.1 (in 40 of (20, 40), label 'w1'; width 16 of (8, 16), label 'w2') "
+        "expects 40 input features under this architecture, got 32. Its input width follows the in_label")
+
+
+def test_a_shape_error_torch_raises_inside_names_the_module_and_keeps_the_cause() -> None:
+    space = conv_space()
+    with pytest.raises(RuntimeError) as error:
+        space.run_block(0, torch.randn(1, 3, 2, 8, 8), {"w": 2, "k": 0})  # 5-d: conv2d refuses it
+    assert str(error.value).startswith("ElasticConv2d at supernet.blocks.0.0 (width 12 of (4, 8, 12), label 'w'; "
+                                       "kernel 3 of (3, 5, 7), label 'k'): ")
+    assert type(error.value.__cause__) is RuntimeError and str(error.value.__cause__) in str(error.value)
+    # Not a shape error (out of memory, NotImplementedError): raised as it is.
+    layer = space.blocks[0][0]
+    with pytest.raises(NotImplementedError, match="^no kernel$"):
+        try:
+            raise NotImplementedError("no kernel")
+        except RuntimeError as raised:
+            layer.raise_located(raised)
+
+
+def test_a_batchnorm_of_the_wrong_dimension_and_a_module_outside_a_supernet_name_what_they_can() -> None:
+    space = conv_space()
+    with active_architecture({"w": 0, "k": 0}), pytest.raises(ValueError, match=re.escape(
+            "ElasticBatchNorm2d at supernet.blocks.0.1 (width 4 of (4, 8, 12), label 'w') expects 4-d input, got 2-d")):
+        space.blocks[0][1](torch.randn(2, 4))
+    alone = lnp.ElasticLinear(4, [2, 3], label="w")  # no supernet: no path, labels and sizes still
+    with active_architecture({"w": 1}), pytest.raises(RuntimeError, match=re.escape(
+            "ElasticLinear (width 3 of (2, 3), label 'w') expects 4 input features")):
+        alone(torch.randn(2, 5))

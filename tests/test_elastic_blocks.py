@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Any
 
 import pytest
@@ -163,3 +164,16 @@ def test_every_architecture_of_a_small_space_freezes() -> None:
     for values in itertools.product(range(2), range(2)):
         arch = dict(zip(["d", "r"], values))
         assert torch.equal(supernet(x, arch), supernet.freeze(arch)(x))
+
+
+def test_attention_and_mlp_of_the_wrong_width_name_their_path_labels_and_active_sizes() -> None:
+    space = lnp.Supernet(Layer())
+    architecture = {"block0.attention.heads": 2, "block0.mlp.hidden": 1}
+    with active_architecture(architecture), pytest.raises(RuntimeError, match=re.escape(
+            "ElasticAttention at supernet.blocks.0.attention (heads 4 of (1, 2, 4), label 'block0.attention.heads') "
+            "expects 8 features, got 6.")):
+        space.blocks[0].attention(torch.randn(2, 3, 6))
+    with active_architecture(architecture), pytest.raises(RuntimeError, match=re.escape(
+            "ElasticMLP at supernet.blocks.0.mlp (hidden 16 of (8, 16, 24), label 'block0.mlp.hidden') expects 8 "
+            "features, got 6.")):
+        space.blocks[0].mlp(torch.randn(2, 3, 6))

@@ -379,3 +379,19 @@ def test_search_after_a_pipelined_fit_equals_the_one_device_search(tmp_path: Pat
                           calibration=toy_loader(samples=16, shuffle=False)).history
     for rank in range(2):  # the same records, scores bit for bit, on every stage
         assert torch.load(f"{out}.search{rank}", weights_only=False) == expected
+
+
+def test_resume_into_another_space_is_refused_on_every_stage(tmp_path: Path) -> None:
+    """Each stage process reads the checkpoint and refuses it, naming the difference, before any collective of
+    the run: no stage waits for another that stopped."""
+    _, trainer = train(max_steps=4)
+    ckpt = tmp_path / "four.ckpt"
+    trainer.save_checkpoint(ckpt)
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        _launch(tmp_path, "--devices", "2", "--resume", str(ckpt), timeout=120, LNP_TEST_EXTRA_CANDIDATE="1")
+    assert time.monotonic() - start < 110  # not the timeout
+    assert str(failed.value).count(
+        f"NASPipeConfigError: The checkpoint {ckpt} was trained on another search space than {ToyNet.__name__}'s "
+        "supernet: choice 'block1' (blocks.1) had candidates [Sequential, Identity, Sequential] in the checkpoint, now "
+        "[Sequential, Identity, Sequential, Identity].") == 2, str(failed.value)

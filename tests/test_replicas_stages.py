@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 import lightning_naspipe as lnp
 from helpers import ToyNet, assert_same_state
@@ -150,17 +151,22 @@ def test_replicas_log_and_validate_as_the_plain_trainer(tmp_path: Path) -> None:
 def test_auto_layout_switches_before_the_first_window_and_changes_nothing(tmp_path: Path, plain_chunks4: dict,
                                                                           devices: int, forced: int | None) -> None:
     """num_stages="auto" starts with one stage per process; the first batch chooses (here forced, or the planner's
-    own choice) and every rank rebuilds its part before the first window trains."""
+    own choice) and every rank rebuilds its part before the first window trains. The loggers record the choice."""
     stderr = _launch(tmp_path, "--devices", str(devices), "--num-stages", "auto", "--window", "4", "--chunks", "4",
+                     "--csv-logger", str(tmp_path / "logs"),
                      *(["--force-layout", str(forced)] if forced is not None else []), keep_stderr=True)
     ckpt = tmp_path / "run.ckpt"
     assert_same_state(plain_chunks4, _state(ckpt))
     splits = [torch.load(f"{ckpt}.ranges{rank}", weights_only=False) for rank in range(devices)]
     assert all(split == splits[0] for split in splits)
+    hparams = yaml.safe_load((tmp_path / "logs" / "hparams.yaml").read_text())
+    assert hparams["naspipe/num_stages"] == len(splits[0]) and hparams["naspipe/replicas"] == devices // len(splits[0])
     if forced is not None:
-        assert len(splits[0]) == forced
+        assert len(splits[0]) == forced and hparams["naspipe/layout_chosen_by"] == "forced"
     else:
         assert "num_stages='auto' chose" in stderr and "predicted subnets/s per stages x replicas: 1 x 2:" in stderr
+        assert hparams["naspipe/layout_chosen_by"] == "planner" and hparams["naspipe/predicted_rate"] > 0
+        assert hparams["naspipe/predicted_rates"] in stderr
 
 
 def test_sigterm_on_one_replica_stops_every_rank_at_one_window_with_a_checkpoint_that_resumes(

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning.planner import best_layout, fitting_layouts, plan_layouts
 from lightning_naspipe.planning.space_spec import SpaceSpec
 
-__all__ = ["CPU_OVERHEADS", "Overheads", "chosen_stages"]
-
+__all__ = ["CPU_OVERHEADS", "LayoutChoice", "Overheads", "chosen_stages", "layout_hparams"]
 
 
 class Overheads(TypedDict):
@@ -42,11 +41,42 @@ CPU_OVERHEADS = Overheads(subnet_overhead_ms=0.22, step_overhead_ms=0.32, messag
                           sync_ms=0.38, message_ms_per_mb=1.0)
 
 
+class LayoutChoice(NamedTuple):
+    """What ``num_stages="auto"`` chose: ``stages`` (the rest of the processes are replicas), the log line, and the
+    hyperparameters the loggers record (:func:`layout_hparams`)."""
+
+    stages: int
+    message: str
+    hparams: dict[str, Any]
+
+
+def layout_hparams(stages: int, replicas: int, how: str, rates: str | None = None,
+                   predicted: float | None = None, unit: str | None = None) -> dict[str, Any]:
+    """The choice as the loggers' hyperparameters, e.g. ``{"naspipe/num_stages": 2, "naspipe/replicas": 1,
+    "naspipe/layout_chosen_by": "planner", "naspipe/predicted_rate": 41.3, "naspipe/predicted_rate_unit":
+    "subnets/s", "naspipe/predicted_rates": "1 x 2: 38.0, 2 x 1: 41.3"}`` (the predictions only when planned).
+
+    Args:
+        stages: the chosen stages.
+        replicas: the replicas of each stage.
+        how: ``"planner"``, or ``"only fit"`` where one layout fits.
+        rates: every layout's predicted rate, ``"S x R: rate"`` joined by commas.
+        predicted: the chosen layout's predicted rate.
+        unit: the rates' unit.
+    """
+    hparams: dict[str, Any] = {"naspipe/num_stages": stages, "naspipe/replicas": replicas,
+                               "naspipe/layout_chosen_by": how}
+    if predicted is not None:
+        hparams.update({"naspipe/predicted_rate": round(predicted, 2), "naspipe/predicted_rate_unit": unit,
+                        "naspipe/predicted_rates": rates})
+    return hparams
+
+
 def chosen_stages(profile: Callable[[bool], SpaceSpec], processes: int, blocks: int, chunks: int, window: int,
                   is_global_zero: bool, broadcast: Callable[[Any], Any], device_type: str, subnets: int = 1,
-                  defer_weight_grads: bool | None = None) -> tuple[int, str]:
+                  defer_weight_grads: bool | None = None) -> LayoutChoice:
     """The number of stages for ``processes`` (the rest replicas), chosen on rank 0 and ``broadcast`` to every
-    rank (collective), and a line for the log naming every layout's predicted rate.
+    rank (collective), with a line for the log naming every layout's predicted rate and the loggers' record of it.
 
     Args:
         profile: ``profile(deferred)`` is the profile of one micro-batch, with the deferred backward's passes if
@@ -72,11 +102,13 @@ def chosen_stages(profile: Callable[[bool], SpaceSpec], processes: int, blocks: 
             "the replicas (processes / stages) must divide chunks x subnets per step. Use fewer devices or a chunks "
             "that they divide, or pass num_stages=<int>.")
     if len(fits) == 1:
-        return fits[0][0], (f"NASPipe: num_stages='auto' chose {fits[0][0]} stage(s) x {fits[0][1]} replica(s), the "
-                            f"only layout of {processes} processes that fits (not profiled)")
+        (stages, replicas), = fits
+        return LayoutChoice(stages, f"NASPipe: num_stages='auto' chose {stages} stage(s) x {replicas} replica(s), the "
+                                    f"only layout of {processes} processes that fits (not profiled)",
+                            layout_hparams(stages, replicas, "only fit"))
     # The planner models deferred weight gradients only at chunks x subnets 1, or where they are forced on.
     spec = profile(defer_weight_grads is True or (defer_weight_grads is None and chunks * subnets == 1))
-    choice: tuple[int, str] | None = None
+    choice: LayoutChoice | None = None
     if is_global_zero:
         spec = spec.compute_scaled(lambda ms: ms * chunks)  # one micro-batch's compute -> a subnet batch's
         if device_type == "cpu":
@@ -86,7 +118,9 @@ def chosen_stages(profile: Callable[[bool], SpaceSpec], processes: int, blocks: 
         best = best_layout(predictions)
         rates = ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}" for p in predictions)
         unit = "subnets/s" if subnets == 1 else f"training steps/s ({subnets} subnets each)"
-        choice = (best.stages, f"NASPipe: num_stages='auto' chose {best.stages} stage(s) x {best.replicas} "
-                               f"replica(s); predicted {unit} per stages x replicas: {rates}")
-    stages, message = broadcast(choice)
-    return int(stages), str(message)
+        message = (f"NASPipe: num_stages='auto' chose {best.stages} stage(s) x {best.replicas} replica(s); "
+                   f"predicted {unit} per stages x replicas: {rates}")
+        choice = LayoutChoice(best.stages, message,
+                              layout_hparams(best.stages, best.replicas, "planner", rates, best.subnets_per_s, unit))
+    stages, message, hparams = broadcast(choice)
+    return LayoutChoice(int(stages), str(message), dict(hparams))

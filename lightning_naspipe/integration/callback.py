@@ -11,8 +11,11 @@ block's weights at each epoch's end.
 
 from __future__ import annotations
 
+import re
+import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
@@ -20,9 +23,19 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.integration.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
 from lightning_naspipe.namespaces import installed, overrides_hook
 from lightning_naspipe.pipeline.optim import step_schedulers
+from lightning_naspipe.space.fingerprint import space_changes, space_fingerprint
 from lightning_naspipe.space.supernet import supernet_of
 
 CHECKPOINT_KEY = "naspipe"
+
+# Lightning's ModelCheckpoint warns, for every manual-optimization module, that a checkpoint written every n training
+# steps holds the weights after the optimizer step unless training_step saved them before it. A NASPipe checkpoint
+# at step k is meant to hold them after subnet k's update: a resume continues there with subnet k (windows end at
+# checkpoint steps), on one device and on stages alike. So the advice does not apply; ignored, from that module
+# only, while a NASPipe run is set up (NASPipeCallback.setup to teardown).
+_AFTER_STEP_ADVICE = ("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+                      "pre-optimization state was saved")
+_CHECKPOINT_MODULES = r"(lightning\.pytorch|pytorch_lightning)\.callbacks\.model_checkpoint\Z"
 
 if TYPE_CHECKING:
     from lightning_naspipe.pipeline.engine import Engine
@@ -176,6 +189,14 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         restore(trainer)  # the gradient_clip_val validate_run set aside
+        warnings.filterwarnings("ignore", re.escape(_AFTER_STEP_ADVICE), UserWarning, _CHECKPOINT_MODULES)
+        self._quiet = warnings.filters[0]  # filterwarnings puts it first
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        quiet = self.__dict__.pop("_quiet", None)
+        filters = cast("list[Any]", warnings.filters)  # a list, typed as a Sequence
+        if quiet in filters:  # not when a catch_warnings block around the run restored the list
+            filters.remove(quiet)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         restore(trainer)
@@ -194,7 +215,8 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     def on_save_checkpoint(
         self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]
     ) -> None:
-        state: dict[str, Any] = {"seed": getattr(pl_module, "naspipe_seed", 0)}
+        state: dict[str, Any] = {"seed": getattr(pl_module, "naspipe_seed", 0),
+                                 "space": space_fingerprint(supernet_of(pl_module))}
         tracker = getattr(trainer.strategy, "data_tracker", None)
         if tracker is not None:
             data = state["data"] = tracker.state_dict()
@@ -211,6 +233,7 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     def on_load_checkpoint(
         self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]
     ) -> None:
+        check_checkpoint_space(trainer, pl_module, checkpoint)  # again: an on_load_checkpoint override may skip it
         state = checkpoint.get(CHECKPOINT_KEY)
         if not state:
             return
@@ -234,6 +257,43 @@ def _refuse_weight_averaging(trainer: Any) -> None:
             "the plain Trainer's. Average the weights with the plain Trainer (exact there: one subnet per batch), "
             "or average saved checkpoints after training (torch.optim.swa_utils.AveragedModel)."
         )
+
+
+def check_checkpoint_space(trainer: Any, module: Any, checkpoint: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint trained on another search space than ``module``'s supernet, naming the differences.
+
+    The mixin's ``on_load_checkpoint`` calls it before Lightning loads the weights (so the differences, not a
+    size mismatch, are what the user reads), and :class:`NASPipeCallback` again. Every process of a multi-stage
+    run reads the same file and raises alike, before any collective of the run. A checkpoint without a
+    fingerprint (written by an earlier release) loads as before; ``validate``/``test``/``predict`` of a module with
+    ``strict_loading = False`` load what fits, as Lightning does.
+
+    Raises:
+        NASPipeConfigError: the checkpoint's space differs (its choices, candidates, elastic sizes or labels).
+    """
+    state = checkpoint.get(CHECKPOINT_KEY)
+    saved = state.get("space") if isinstance(state, Mapping) else None
+    resuming = trainer.state.fn == "fit"
+    if saved is None or not (resuming or getattr(module, "strict_loading", True)):
+        return
+    changes = space_changes(saved, space_fingerprint(supernet_of(module)))
+    if not changes:
+        return
+    path = getattr(trainer, "ckpt_path", None)
+    name, shown = type(module).__name__, changes[:6]
+    listed = "; ".join(shown) + (f"; and {len(changes) - len(shown)} more" if len(changes) > len(shown) else "")
+    if resuming:
+        fix = (f"Resuming would train another space without a complaint (tensors of equal shapes load as they are, "
+               f"and every subnet sampled from here on differs). Resume with the space the checkpoint was trained "
+               f"with; or, to train this space from its weights, start a new run: "
+               f"{name}.load_from_checkpoint(path, strict=False), then trainer.fit(model) without ckpt_path (or "
+               "start fresh).")
+    else:
+        fix = (f"Evaluate it with the space it was trained with, or set strict_loading = False on {name} to load "
+               "its weights into this space anyway.")
+    raise NASPipeConfigError(
+        f"The checkpoint{f' {path}' if path else ''} was trained on another search space than {name}'s supernet: "
+        f"{listed}. {fix}")
 
 
 class StageWeightsSync(*_CALLBACK_BASES):  # type: ignore[misc]

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
-from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRunner, keep_scheduler_monitors,
-                                                    validate_run)
+from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRunner, check_checkpoint_space,
+                                                    keep_scheduler_monitors, validate_run)
 from lightning_naspipe.pipeline.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.executor import loss_context
@@ -203,6 +203,15 @@ class NASPipeMixin:
             if module.trainer.state.fn == "fit":
                 keep_scheduler_monitors(self)
         return [NASPipeCallback()]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuses a checkpoint of another search space before the Trainer loads its weights (``fit``, ``validate``,
+        ``test``, ``predict`` with ``ckpt_path``); call ``super().on_load_checkpoint(checkpoint)`` when overriding.
+        ``load_from_checkpoint`` (no Trainer) loads as its ``strict`` says."""
+        module: Any = self
+        if module._trainer is not None:
+            check_checkpoint_space(module.trainer, self, checkpoint)
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]  # LightningModule's hook
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         """Train one subnet (plain Trainer) or one window of subnets (``strategy="naspipe"``)."""

@@ -114,14 +114,19 @@ class PipelineBuilding(StagePlacement):
 
     def _chosen_layout(self, batch: Any) -> int:
         """``num_stages="auto"``'s stages for the run, planned on a micro-batch of ``batch`` (collective; the
-        choice is logged); with several stages and no ``balance``, the split's weights come from the profile."""
+        choice is logged, and recorded as the loggers' hyperparameters ``naspipe/...``); with several stages and no
+        ``balance``, the split's weights come from the profile."""
         module = cast(Any, self.lightning_module)
         micro = split_batch(module.pipeline_input(batch), self.chunks)[0][0]
         subnets = len(module.sample_step(module.global_step))  # every step of a run trains as many
-        stages, message = chosen_stages(lambda deferred: self._startup.profile(micro, deferred), self.world_size,
-                                        len(supernet_of(module)), self.chunks, self.window, self.is_global_zero,
-                                        self.broadcast, self.root_device.type, subnets, self.defer_weight_grads)
+        stages, message, hparams = chosen_stages(
+            lambda deferred: self._startup.profile(micro, deferred), self.world_size, len(supernet_of(module)),
+            self.chunks, self.window, self.is_global_zero, self.broadcast, self.root_device.type, subnets,
+            self.defer_weight_grads)
         self._info(message)
+        if self.is_global_zero:  # and where runs are compared: a CSVLogger's hparams.yaml, TensorBoard's HPARAMS
+            for logger in module.trainer.loggers:
+                logger.log_hyperparams(hparams)
         if stages > 1 and stages != self.layout.stages and self.balance is None:
             self._split_costs = (self._startup.split_weights(micro), "ms")  # the rebuild splits by them
         return stages

@@ -81,7 +81,8 @@ class NASPipeStrategy(PipelineBuilding):
             the subnets per step must be a multiple of the replicas; refused at the first training window
             otherwise), and the replicas sum their gradients in micro-batch order: results never depend
             on the layout. ``"auto"``: the layout the planner predicts fastest, chosen on the first training
-            batch (every rank profiles a share of the supernet on its first micro-batch; logged): the run starts
+            batch (every rank profiles a share of the supernet on its first micro-batch; logged, also as the
+            loggers' hyperparameters ``naspipe/...``): the run starts
             with one stage per process and, if another layout wins, makes every rank whole and rebuilds the
             pipeline before the first window trains. Only layouts that leave a training step's ``subnets * chunks``
             a multiple of the replicas are considered.
@@ -227,7 +228,7 @@ class NASPipeStrategy(PipelineBuilding):
         self._loader: WindowLoader | None = None
         self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
         if trainer.training and self.layout.replicas > 1:  # before any training, not at the first window
-            module: Any = self.lightning_module
+            module: Any = self.lightning_module  # the mixin's (connect checked it)
             self.layout.check_chunks(self.chunks, len(module.sample_step(trainer.global_step)))
         self._build_engine(trainer.training)
         super().setup(trainer)

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Union
+from typing import NoReturn, Union
 
 from torch import nn
 
@@ -200,6 +200,34 @@ class Elastic(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dims: dict[str, ElasticDim] = {}
+        #: Where it sits, e.g. ``"supernet.blocks.2.mlp.fc1"`` (the state dict's prefix under the module's
+        #: ``self.supernet``); set when the :class:`~.supernet.Supernet` is built, for error messages.
+        self.supernet_path: str | None = None
+
+    def where(self) -> str:
+        """This module for an error message: its class, its path in the supernet and its elastic dimensions'
+        labels and sizes, the active one first while a subnet is active; computed only when an error is raised.
+
+        Example: ``"ElasticLinear at supernet.blocks.2.fc1 (in 40 of (20, 40), label 'w1'; width 16 of (8, 16),
+        label 'w2')"``.
+        """
+        architecture = _ACTIVE.get()
+        dims = []
+        for name, dim in self.dims.items():
+            choice = architecture.get(dim.label) if architecture is not None and dim.label is not None else None
+            active = f"{dim.values[choice]} of " if isinstance(choice, int) and 0 <= choice < len(dim.values) else ""
+            dims.append(f"{name} {active}{dim.values}, label {dim.label!r}")
+        path = self.__dict__.get("supernet_path")  # absent in a module pickled by an earlier release
+        at = f" at {path}" if path else ""
+        return f"{type(self).__name__}{at}" + (f" ({'; '.join(dims)})" if dims else "")
+
+    def raise_located(self, error: RuntimeError) -> NoReturn:
+        """Raise ``error``, a shape error torch raised in this module's forward, as a ``RuntimeError`` with
+        :meth:`where` in front; any other kind (out of memory, ``NotImplementedError``) as it is. Called in an
+        ``except`` clause, so the forward pays nothing until something fails."""
+        if type(error) is not RuntimeError:
+            raise error
+        raise RuntimeError(f"{self.where()}: {error}") from error
 
     def add_dim(self, name: str, values: int | Sequence[int], label: str | None, minimum: int = 1) -> tuple[int, ...]:
         """Declare dimension ``name``: a whole number is a fixed size, a sequence an elastic one (a choice).

@@ -73,7 +73,7 @@ def _input_dim(module: Elastic, values: Sizes, label: str | None) -> tuple[int, 
 def _check_width(module: Elastic, got: int, wanted: int, what: str) -> None:
     if got != wanted:
         raise RuntimeError(
-            f"{type(module).__name__} expects {wanted} {what} under this architecture, got {got}. Its input width "
+            f"{module.where()} expects {wanted} {what} under this architecture, got {got}. Its input width "
             "follows the in_label (or the fixed width) it was given: give it the producing layer's label "
             "(a BatchNorm: the layer's width label).")
 
@@ -113,7 +113,10 @@ class ElasticLinear(Elastic):
     def forward(self, x: Tensor) -> Tensor:
         inputs, outputs = self.value("in", self.in_sizes), self.value("width", self.out_sizes)
         _check_width(self, x.shape[-1], inputs, "input features")
-        return F.linear(x, *self._slices(inputs, outputs))
+        try:
+            return F.linear(x, *self._slices(inputs, outputs))
+        except RuntimeError as error:
+            self.raise_located(error)
 
     def freeze_choice(self, architecture: Mapping[str, int]) -> nn.Module:
         """``nn.Linear`` with the slices ``architecture`` uses."""
@@ -204,9 +207,12 @@ class ElasticConv2d(Elastic):
     def forward(self, x: Tensor) -> Tensor:
         inputs, outputs, kernel = self._sizes(None)
         _check_width(self, x.shape[1], inputs, "input channels")
-        weight, bias = self._slices(inputs, outputs, kernel)
-        return F.conv2d(x, weight, bias, (self.stride, self.stride), (kernel // 2, kernel // 2), (1, 1),
-                        inputs if self.depthwise else 1)
+        try:
+            weight, bias = self._slices(inputs, outputs, kernel)
+            return F.conv2d(x, weight, bias, (self.stride, self.stride), (kernel // 2, kernel // 2), (1, 1),
+                            inputs if self.depthwise else 1)
+        except RuntimeError as error:
+            self.raise_located(error)
 
     def freeze_choice(self, architecture: Mapping[str, int]) -> nn.Module:
         """``nn.Conv2d`` with the (cropped or transformed) kernel ``architecture`` uses."""
@@ -264,7 +270,7 @@ class _ElasticBatchNorm(Elastic):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() not in self.dims_allowed:
-            raise ValueError(f"{type(self).__name__} expects {' or '.join(map(str, self.dims_allowed))}-d input, "
+            raise ValueError(f"{self.where()} expects {' or '.join(map(str, self.dims_allowed))}-d input, "
                              f"got {x.dim()}-d")
         channels = self.value("width", self.sizes)
         _check_width(self, x.shape[1], channels, "channels")
@@ -276,8 +282,11 @@ class _ElasticBatchNorm(Elastic):
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         parts = self._slices(channels)
         track = not self.training or self.track_running_stats
-        return F.batch_norm(x, parts["running_mean"] if track else None, parts["running_var"] if track else None,
-                            parts["weight"], parts["bias"], use_batch, factor, self.eps)
+        try:
+            return F.batch_norm(x, parts["running_mean"] if track else None, parts["running_var"] if track else None,
+                                parts["weight"], parts["bias"], use_batch, factor, self.eps)
+        except RuntimeError as error:
+            self.raise_located(error)
 
     def freeze_choice(self, architecture: Mapping[str, int]) -> nn.Module:
         """The plain BatchNorm of the chosen width with the leading channels' parameters and statistics."""

@@ -173,9 +173,12 @@ class ElasticAttention(Elastic):
     def forward(self, x: Tensor) -> Tensor:
         heads = self.value("heads", self.head_counts)
         if x.shape[-1] != self.embed_dim:
-            raise RuntimeError(f"ElasticAttention expects {self.embed_dim} features, got {x.shape[-1]}.")
-        query, key, value, out = self._slices(heads)
-        return attention(x, query, key, value, out, heads, self.causal)
+            raise RuntimeError(f"{self.where()} expects {self.embed_dim} features, got {x.shape[-1]}.")
+        try:
+            query, key, value, out = self._slices(heads)
+            return attention(x, query, key, value, out, heads, self.causal)
+        except RuntimeError as error:
+            self.raise_located(error)
 
     def freeze_choice(self, architecture: Mapping[str, int]) -> nn.Module:
         """:class:`SelfAttention` with the chosen heads' projections."""
@@ -220,8 +223,14 @@ class ElasticMLP(Elastic):
         return first, (self.fc2.weight[:, :hidden].contiguous(), self.fc2.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        (w1, b1), (w2, b2) = self._slices(self.value("hidden", self.hidden_sizes))
-        return F.linear(self.activation(F.linear(x, w1, b1)), w2, b2)
+        hidden = self.value("hidden", self.hidden_sizes)
+        if x.shape[-1] != self.embed_dim:
+            raise RuntimeError(f"{self.where()} expects {self.embed_dim} features, got {x.shape[-1]}.")
+        try:
+            (w1, b1), (w2, b2) = self._slices(hidden)
+            return F.linear(self.activation(F.linear(x, w1, b1)), w2, b2)
+        except RuntimeError as error:
+            self.raise_located(error)
 
     def freeze_choice(self, architecture: Mapping[str, int]) -> nn.Module:
         """``nn.Sequential(nn.Linear, activation, nn.Linear)`` with the chosen hidden width."""

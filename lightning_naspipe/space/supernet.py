@@ -107,6 +107,8 @@ class Supernet(nn.Module):
                     "to the outer Supernet directly, or use ChoiceBlock inside the block."
                 )
             if isinstance(module, Elastic):
+                if module.__dict__.get("supernet_path") is None:  # a module used twice: named where it first is
+                    module.supernet_path = f"supernet.blocks.{index}{name[len(f'block{index}'):]}"
                 for dim_name, dim in module.dims.items():
                     if dim.label is None:
                         module.set_label(dim_name, f"{name}.{dim_name}")
