@@ -68,6 +68,17 @@ class PlateauNet(ToyNet):  # type: ignore[misc, valid-type]
                 "monitor": "val_loss"}
 
 
+class OneCycleNet(ToyNet):  # type: ignore[misc, valid-type]
+    """OneCycleLR over the whole fit, sized as Lightning's docs show: ``trainer.estimated_stepping_batches``
+    (a step more than the fit trains and OneCycleLR raises; one fewer and the cycle is cut short)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1,
+                                                    total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
 class LoggingNet(ToyNet):  # type: ignore[misc, valid-type]
     """Logs from ``compute_loss``, as users do: a per-step accuracy and an epoch-mean one."""
 
@@ -194,10 +205,20 @@ def with_epoch_end_weights(strategy: StrategyFactory) -> dict[str, Any]:
     return {**fit(strategy, callbacks=(watcher,), max_epochs=2), "epoch_end_weights": watcher.sums}
 
 
-def plain_results(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every scenario that does not resume, on a plain Trainer (a resumed one is compared with "three epochs")."""
+def plain_results(folder: Path, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every scenario of ``names`` (default: all) that does not resume, on a plain Trainer (a resumed one is
+    compared with "three epochs", which then runs too)."""
+    wanted = set(SCENARIOS if names is None else names)
+    if any(name.startswith("resume") for name in wanted):
+        wanted.add("three epochs")
     return {name: run(lambda: None, folder / str(k)) for k, (name, run) in enumerate(SCENARIOS.items())
-            if not name.startswith("resume")}
+            if name in wanted and not name.startswith("resume")}
+
+
+def selected_scenarios(request: Any) -> list[str]:
+    """The scenarios whose tests of ``request``'s module this pytest session runs (``-k`` runs fewer fits)."""
+    return [item.callspec.params["name"] for item in request.session.items
+            if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})]
 
 
 #: Scenarios run the same way on one device and on several stages: name -> run(strategy, folder).
@@ -215,6 +236,9 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
                                                                                     model_class=HostRandomNet),
     "LearningRateMonitor": lambda strategy, folder: fit(strategy, max_epochs=2, callbacks=(
         pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
+    "OneCycleLR(total_steps=estimated_stepping_batches)": lambda strategy, folder: fit(
+        strategy, max_epochs=2, limit_train_batches=10, model_class=OneCycleNet,
+        callbacks=(pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
     "precision=64-true": lambda strategy, folder: fit(strategy, max_epochs=1, precision="64-true"),
     "on_train_batch_start returns -1": lambda strategy, folder: fit(strategy, max_epochs=2,
                                                                     model_class=SkipsRestOfEpoch),
