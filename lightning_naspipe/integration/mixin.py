@@ -198,8 +198,9 @@ class NASPipeMixin:
             )
         if module._trainer is not None:
             validate_run(module.trainer, self)  # before Lightning's own, less fitting, advice
-            if module.trainer.state.fn == "fit":
-                keep_scheduler_monitors(self)
+            if module.trainer.state.fn == "fit":  # the callback checked before a finder can swap the callbacks
+                trainer = module.trainer
+                keep_scheduler_monitors(self, check=lambda: self._check_callback(trainer))
         return [NASPipeCallback()]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
