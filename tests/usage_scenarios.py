@@ -150,6 +150,21 @@ def fit(strategy: StrategyFactory, loader: Any = None, ckpt_path: Any = None, ca
     return {**full_state(model, trainer), "rows": logger.rows}
 
 
+def with_device_stats(strategy: StrategyFactory) -> dict[str, Any]:
+    """``DeviceStatsMonitor`` with a stand-in for the device's statistics (no psutil here, and real ones differ run
+    to run): the number of readings so far, so the rows say when and how often the monitor read and logged."""
+    readings = iter(range(1, 10**6))
+    accelerator = pl.accelerators.CPUAccelerator
+    own = accelerator.get_device_stats
+    accelerator.get_device_stats = lambda self, device: {"readings": float(next(readings))}
+    try:
+        return fit(strategy, max_epochs=2, log_every_n_steps=3,
+                   callbacks=(pl.callbacks.DeviceStatsMonitor(cpu_stats=True),
+                              pl.callbacks.LearningRateMonitor(logging_interval="step")))
+    finally:
+        accelerator.get_device_stats = own
+
+
 def worker_loader() -> Any:
     """The toy data read by two worker processes (their seeds come from the global RNG each epoch)."""
     loader = toy_loader()
@@ -239,6 +254,7 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
     "OneCycleLR(total_steps=estimated_stepping_batches)": lambda strategy, folder: fit(
         strategy, max_epochs=2, limit_train_batches=10, model_class=OneCycleNet,
         callbacks=(pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
+    "DeviceStatsMonitor": lambda strategy, folder: with_device_stats(strategy),
     "precision=64-true": lambda strategy, folder: fit(strategy, max_epochs=1, precision="64-true"),
     "on_train_batch_start returns -1": lambda strategy, folder: fit(strategy, max_epochs=2,
                                                                     model_class=SkipsRestOfEpoch),

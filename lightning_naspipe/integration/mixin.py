@@ -220,7 +220,10 @@ class NASPipeMixin:
         upcoming = pipeline.upcoming_batches(first + len(batches)) if pipeline is not None and batches else None
         self.__dict__["_naspipe_records_logs"] = pipeline is not None  # see log
         # Only windows need LearningRateMonitor's per-subnet points (a plain batch is one subnet).
-        batch_starts = BatchStartPoints(trainer, first, first + len(batches) - 1) if pipeline is not None else None
+        tracker = getattr(pipeline, "data_tracker", None)  # the window's place in the epoch, as plain batch_idx
+        batch_starts = (BatchStartPoints(trainer, first, first + len(batches) - 1,
+                                         tracker.position() if tracker is not None else batch_idx)
+                        if pipeline is not None else None)
         engine.after_update = batch_starts if batch_starts is not None and batch_starts.monitors else None
         try:
             window = engine.train_window(cast("EngineModule", self), batches, first, upcoming)
@@ -231,9 +234,9 @@ class NASPipeMixin:
             pipeline.report_stages()
             for name, value in pipeline.stage_metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)
-        return self._report(window, batches, batch_starts.points if batch_starts is not None else None)
+        return self._report(window, batches, batch_starts)
 
-    def _report(self, window: Window, batches: list[Any], batch_starts: dict[int, Any] | None) -> Tensor | None:
+    def _report(self, window: Window, batches: list[Any], batch_starts: BatchStartPoints | None) -> Tensor | None:
         log_window_losses(self, window.first_index, window.losses, batches, [self._batch_size(b) for b in batches],
                           window.records, batch_starts)
         reported = []
