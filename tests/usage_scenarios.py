@@ -97,6 +97,25 @@ class SkipsRestOfEpoch(ToyNet):  # type: ignore[misc, valid-type]
         return -1 if batch_idx >= 5 else None
 
 
+class LogsAtBatchStart(ToyNet):  # type: ignore[misc, valid-type]
+    """Logs in ``on_train_batch_start``, as users do: the batch index (on step, the hook's default), a value of
+    the batch on step and epoch (its batch size inferred), and one on epoch only with an explicit batch size."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        self.log("batch_idx", float(batch_idx))
+        self.log("first_input", batch[0][0, 0], on_epoch=True)
+        self.log("idx_mean", float(batch_idx), on_step=False, on_epoch=True, batch_size=3)
+        return None
+
+
+class LogsAtBatchStartAndSkips(LogsAtBatchStart):
+    """Also ends each epoch at batch 5 by returning -1, after logging (inside a window of 4)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        super().on_train_batch_start(batch, batch_idx)
+        return -1 if batch_idx >= 5 else None
+
+
 def _host_random_scale(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
     """A forward hook: noise drawn from Python's and NumPy's global generators inside a block."""
     return output * (1 + 0.1 * random.random() + 0.1 * float(np.random.rand()))
@@ -254,10 +273,19 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
     "OneCycleLR(total_steps=estimated_stepping_batches)": lambda strategy, folder: fit(
         strategy, max_epochs=2, limit_train_batches=10, model_class=OneCycleNet,
         callbacks=(pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
+    "LearningRateMonitor, log_every_n_steps=0": lambda strategy, folder: fit(
+        strategy, max_epochs=1, log_every_n_steps=0,
+        callbacks=(pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
     "DeviceStatsMonitor": lambda strategy, folder: with_device_stats(strategy),
     "precision=64-true": lambda strategy, folder: fit(strategy, max_epochs=1, precision="64-true"),
     "on_train_batch_start returns -1": lambda strategy, folder: fit(strategy, max_epochs=2,
                                                                     model_class=SkipsRestOfEpoch),
+    "self.log in on_train_batch_start": lambda strategy, folder: fit(strategy, max_epochs=2,
+                                                                     model_class=LogsAtBatchStart),
+    "self.log in on_train_batch_start returning -1": lambda strategy, folder: fit(
+        strategy, max_epochs=2, model_class=LogsAtBatchStartAndSkips),
+    "self.log in on_train_batch_start, max_steps mid-window": lambda strategy, folder: fit(
+        strategy, max_epochs=-1, max_steps=15, model_class=LogsAtBatchStart),
     "fast_dev_run=3": lambda strategy, folder: fit(strategy, fast_dev_run=3),
     "log_every_n_steps=5": lambda strategy, folder: fit(strategy, max_epochs=2, log_every_n_steps=5),
     "check_val_every_n_epoch=2": lambda strategy, folder: fit(strategy, max_epochs=3, check_val_every_n_epoch=2),

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
+from lightning_naspipe.integration.batch_hooks import log_cut_batch
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.integration.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
@@ -210,6 +211,7 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             failures.post(exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        log_cut_batch(pl_module)  # before Lightning logs the epoch's metrics
         finish_resumed_epoch_sum(pl_module, trainer)
         step_schedulers(trainer.lr_scheduler_configs, "epoch", trainer.current_epoch + 1, trainer.callback_metrics)
 

@@ -107,13 +107,15 @@ def device_monitors(trainer: Any) -> list[Any]:
 
 def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | None], batches: Sequence[Any],
                       batch_sizes: Sequence[int], records: Sequence[Any] = (),
-                      batch_starts: BatchStartPoints | None = None) -> None:
+                      batch_starts: BatchStartPoints | None = None,
+                      batch_start_logs: dict[int, list[Any]] | None = None) -> None:
     """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) and what its
     ``compute_loss`` logged (``records``: ``(index, name, value, args, kwargs)`` of each ``self.log`` call,
     see :class:`~lightning_naspipe.pipeline.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
     own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped. ``batch_starts``: the
     per-batch monitors (:class:`BatchStartPoints`), whose batch-start points come first in a subnet's turn and
-    batch-end points before its step metrics.
+    batch-end points before its step metrics. ``batch_start_logs``: what the module's ``on_train_batch_start``
+    logged for each subnet but the window's first (:mod:`.batch_hooks`), logged next.
 
     Call it from ``training_step`` with the whole window.
     """
@@ -144,6 +146,7 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
         epoch_loop._batches_that_stepped = index  # the loggers' step axis counts subnets, as in the plain run
         if batch_starts is not None and position:
             batch_starts.log_start(module, index, batches[k])
+        log_hook_calls(module, "on_train_batch_start", (batch_start_logs or {}).get(index, ()))
         for _, name, value, args, kwargs in by_subnet.get(index, ()):
             module.log(name, value, *args, **kwargs)
         if key is None:
@@ -162,6 +165,22 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
     if key is not None:  # the epoch's running sum so far (Lightning replaces, never changes, these tensors)
         metric = results[key]
         module.__dict__[EPOCH_SUM] = (trainer.current_epoch, metric.value, metric.cumulated_batch_size)
+
+
+def log_hook_calls(module: Any, hook: str, calls: Sequence[Any]) -> None:
+    """``self.log`` each recorded call ``(name, value, args, kwargs)`` as ``hook`` made it: registered under that
+    hook, with its defaults (``on_train_batch_start``'s: on step only). Never a batch that starts an epoch (that
+    one's calls are Lightning's own), so the hook's metrics are never reset here, at an epoch's end included."""
+    if not calls:
+        return
+    connector = module.trainer._logger_connector
+    own_hook, fx = module._current_fx_name, connector._current_fx
+    module._current_fx_name = connector._current_fx = hook  # (the same hook as before: self.log resets nothing)
+    try:
+        for name, value, args, kwargs in calls:
+            module.log(name, value, *args, **kwargs)
+    finally:  # as the subnet's training step left them: an epoch's first batch resets a hook's metrics that differ
+        module._current_fx_name, connector._current_fx = own_hook, fx
 
 
 #: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.
