@@ -58,21 +58,23 @@ _COUNTING: dict[type, type] = {}
 _ORIGINAL: dict[type, type] = {}
 
 
-def count_subnet_steps(trainer: Any) -> None:
-    """Make ``trainer.estimated_stepping_batches`` the plain run's (see the module docstring)."""
+def count_subnet_steps(trainer: Any) -> Any:
+    """Make ``trainer.estimated_stepping_batches`` the plain run's (see the module docstring); ``trainer``."""
     cls = type(trainer)
     if cls in _ORIGINAL:
-        return
+        return trainer
     if cls not in _COUNTING:
         # The Trainer's own name: logs and reprs that name its class stay the same.
         counting = types.new_class(cls.__name__, (SubnetSteps, cls))
         counting.__module__ = __name__
         _COUNTING[cls], _ORIGINAL[counting] = counting, cls
     trainer.__class__ = _COUNTING[cls]
+    return trainer
 
 
 def stop_counting_subnet_steps(trainer: Any) -> None:
-    """Undo :func:`count_subnet_steps` (after the fit): the Trainer pickles and compares as its own class."""
+    """Undo :func:`count_subnet_steps` (after the fit; ``None``: nothing to undo): the Trainer pickles and compares
+    as its own class again."""
     original = _ORIGINAL.get(type(trainer))
     if original is not None:
         trainer.__class__ = original

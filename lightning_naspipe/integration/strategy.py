@@ -194,9 +194,7 @@ class NASPipeStrategy(PipelineBuilding):
         self.data_tracker = DataTracker(self._trainer)
         self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
         self._stepping_trainer: Any = None  # the Trainer whose estimated_stepping_batches counts subnets
-        # The fit's window loader. Set whenever Lightning loads the training data, which a read of
-        # estimated_stepping_batches in a setup hook does before this strategy's setup; cleared at teardown.
-        self._loader: WindowLoader | None = None
+        self._loader: WindowLoader | None = None  # the fit's (a setup hook may load it before our setup)
 
     @override
     def connect(self, model: Any) -> None:
@@ -207,9 +205,7 @@ class NASPipeStrategy(PipelineBuilding):
             )
         self.chunks, self._chunks_note = resolve_chunks(model, self.chunks_setting)
         super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
-        # Before any hook may read it (configure_optimizers, setup): estimated_stepping_batches counts subnets.
-        self._stepping_trainer = self._trainer()
-        count_subnet_steps(self._stepping_trainer)
+        self._stepping_trainer = count_subnet_steps(self._trainer())  # before a hook reads it (setup, ...)
 
     def _trainer(self) -> Any:
         assert self.lightning_module is not None, "the strategy is connected to a module"
@@ -340,10 +336,8 @@ class NASPipeStrategy(PipelineBuilding):
         if self._train_limit is not None and self.lightning_module is not None:
             self.lightning_module.trainer.limit_train_batches = self._train_limit
             self._train_limit = None
-        if self._stepping_trainer is not None:
-            stop_counting_subnet_steps(self._stepping_trainer)
-            self._stepping_trainer = None
-        self._loader = None
+        stop_counting_subnet_steps(self._stepping_trainer)
+        self._stepping_trainer = self._loader = None
         super().teardown()
 
     def stage_metrics(self) -> dict[str, float]:
