@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 import lightning_naspipe as lnp
@@ -28,3 +30,31 @@ def test_an_epoch_ended_by_the_hook_resumes_into_the_next_epoch(tmp_path: Path) 
     resumed = fit(lambda: lnp.NASPipeStrategy(window=3), max_epochs=3, model_class=SkipsRestOfEpoch,
                   ckpt_path=tmp_path / "last.ckpt")
     assert_same_state({**plain, "losses": {k: v for k, v in plain["losses"].items() if k >= 5}}, resumed)
+
+
+def test_a_metric_object_logged_in_on_train_batch_start_is_refused_naming_the_fix() -> None:
+    import torchmetrics
+
+    class LogsAMetric(ToyNet):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = torchmetrics.MeanMetric()
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self.seen.update(batch[0].mean())
+            self.log("seen", self.seen)
+
+    with pytest.raises(lnp.NASPipeConfigError, match=r"self.log\('seen', <MeanMetric>\) in on_train_batch_start "
+                                                     r"during training.*tensors and numbers only.*Log the value"):
+        fit(lambda: lnp.NASPipeStrategy(window=4), max_epochs=1, model_class=LogsAMetric)
+
+
+def test_the_hook_is_not_shown_batches_past_max_steps() -> None:
+    class Counts(ToyNet):  # type: ignore[misc, valid-type]
+        shown: list[int] = []
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            Counts.shown.append(batch_idx)
+
+    fit(lambda: lnp.NASPipeStrategy(window=4), max_epochs=-1, max_steps=6, model_class=Counts)
+    assert Counts.shown == list(range(6))  # as a plain run: the window of 4..7 is cut at max_steps

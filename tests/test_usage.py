@@ -17,7 +17,7 @@ import torch
 import lightning_naspipe as lnp
 from helpers import ToyNet, assert_same_state, full_state, pl, toy_loader, train, trainer_kwargs
 from lightning_naspipe.errors import NASPipeConfigError
-from usage_scenarios import RESUME_POINTS, SCENARIOS, fit, plain_results
+from usage_scenarios import RESUME_POINTS, SCENARIOS, fit, plain_results, selected_scenarios
 
 
 def _same_as(reference: dict[str, Any], run: dict[str, Any], from_step: int = 0, validated: bool = True) -> None:
@@ -35,8 +35,8 @@ def _same_as(reference: dict[str, Any], run: dict[str, Any], from_step: int = 0,
 
 
 @pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return plain_results(tmp_path_factory.mktemp("plain"))
+def plain_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return plain_results(tmp_path_factory.mktemp("plain"), selected_scenarios(request))
 
 
 def check_scenario(name: str, plain_runs: dict[str, dict[str, Any]], result: dict[str, Any]) -> None:

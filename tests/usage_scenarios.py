@@ -68,6 +68,17 @@ class PlateauNet(ToyNet):  # type: ignore[misc, valid-type]
                 "monitor": "val_loss"}
 
 
+class OneCycleNet(ToyNet):  # type: ignore[misc, valid-type]
+    """OneCycleLR over the whole fit, sized as Lightning's docs show: ``trainer.estimated_stepping_batches``
+    (a step more than the fit trains and OneCycleLR raises; one fewer and the cycle is cut short)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1,
+                                                    total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
 class LoggingNet(ToyNet):  # type: ignore[misc, valid-type]
     """Logs from ``compute_loss``, as users do: a per-step accuracy and an epoch-mean one."""
 
@@ -83,6 +94,25 @@ class SkipsRestOfEpoch(ToyNet):  # type: ignore[misc, valid-type]
     """Ends each epoch after 5 batches by returning -1 from on_train_batch_start."""
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if batch_idx >= 5 else None
+
+
+class LogsAtBatchStart(ToyNet):  # type: ignore[misc, valid-type]
+    """Logs in ``on_train_batch_start``, as users do: the batch index (on step, the hook's default), a value of
+    the batch on step and epoch (its batch size inferred), and one on epoch only with an explicit batch size."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        self.log("batch_idx", float(batch_idx))
+        self.log("first_input", batch[0][0, 0], on_epoch=True)
+        self.log("idx_mean", float(batch_idx), on_step=False, on_epoch=True, batch_size=3)
+        return None
+
+
+class LogsAtBatchStartAndSkips(LogsAtBatchStart):
+    """Also ends each epoch at batch 5 by returning -1, after logging (inside a window of 4)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        super().on_train_batch_start(batch, batch_idx)
         return -1 if batch_idx >= 5 else None
 
 
@@ -137,6 +167,21 @@ def fit(strategy: StrategyFactory, loader: Any = None, ckpt_path: Any = None, ca
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     return {**full_state(model, trainer), "rows": logger.rows}
+
+
+def with_device_stats(strategy: StrategyFactory) -> dict[str, Any]:
+    """``DeviceStatsMonitor`` with a stand-in for the device's statistics (no psutil here, and real ones differ run
+    to run): the number of readings so far, so the rows say when and how often the monitor read and logged."""
+    readings = iter(range(1, 10**6))
+    accelerator = pl.accelerators.CPUAccelerator
+    own = accelerator.get_device_stats
+    accelerator.get_device_stats = lambda self, device: {"readings": float(next(readings))}
+    try:
+        return fit(strategy, max_epochs=2, log_every_n_steps=3,
+                   callbacks=(pl.callbacks.DeviceStatsMonitor(cpu_stats=True),
+                              pl.callbacks.LearningRateMonitor(logging_interval="step")))
+    finally:
+        accelerator.get_device_stats = own
 
 
 def worker_loader() -> Any:
@@ -194,10 +239,20 @@ def with_epoch_end_weights(strategy: StrategyFactory) -> dict[str, Any]:
     return {**fit(strategy, callbacks=(watcher,), max_epochs=2), "epoch_end_weights": watcher.sums}
 
 
-def plain_results(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every scenario that does not resume, on a plain Trainer (a resumed one is compared with "three epochs")."""
+def plain_results(folder: Path, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every scenario of ``names`` (default: all) that does not resume, on a plain Trainer (a resumed one is
+    compared with "three epochs", which then runs too)."""
+    wanted = set(SCENARIOS if names is None else names)
+    if any(name.startswith("resume") for name in wanted):
+        wanted.add("three epochs")
     return {name: run(lambda: None, folder / str(k)) for k, (name, run) in enumerate(SCENARIOS.items())
-            if not name.startswith("resume")}
+            if name in wanted and not name.startswith("resume")}
+
+
+def selected_scenarios(request: Any) -> list[str]:
+    """The scenarios whose tests of ``request``'s module this pytest session runs (``-k`` runs fewer fits)."""
+    return [item.callspec.params["name"] for item in request.session.items
+            if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})]
 
 
 #: Scenarios run the same way on one device and on several stages: name -> run(strategy, folder).
@@ -215,9 +270,22 @@ SCENARIOS: dict[str, Callable[[StrategyFactory, Path], dict[str, Any]]] = {
                                                                                     model_class=HostRandomNet),
     "LearningRateMonitor": lambda strategy, folder: fit(strategy, max_epochs=2, callbacks=(
         pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
+    "OneCycleLR(total_steps=estimated_stepping_batches)": lambda strategy, folder: fit(
+        strategy, max_epochs=2, limit_train_batches=10, model_class=OneCycleNet,
+        callbacks=(pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
+    "LearningRateMonitor, log_every_n_steps=0": lambda strategy, folder: fit(
+        strategy, max_epochs=1, log_every_n_steps=0,
+        callbacks=(pl.callbacks.LearningRateMonitor(logging_interval="step"),)),
+    "DeviceStatsMonitor": lambda strategy, folder: with_device_stats(strategy),
     "precision=64-true": lambda strategy, folder: fit(strategy, max_epochs=1, precision="64-true"),
     "on_train_batch_start returns -1": lambda strategy, folder: fit(strategy, max_epochs=2,
                                                                     model_class=SkipsRestOfEpoch),
+    "self.log in on_train_batch_start": lambda strategy, folder: fit(strategy, max_epochs=2,
+                                                                     model_class=LogsAtBatchStart),
+    "self.log in on_train_batch_start returning -1": lambda strategy, folder: fit(
+        strategy, max_epochs=2, model_class=LogsAtBatchStartAndSkips),
+    "self.log in on_train_batch_start, max_steps mid-window": lambda strategy, folder: fit(
+        strategy, max_epochs=-1, max_steps=15, model_class=LogsAtBatchStart),
     "fast_dev_run=3": lambda strategy, folder: fit(strategy, fast_dev_run=3),
     "log_every_n_steps=5": lambda strategy, folder: fit(strategy, max_epochs=2, log_every_n_steps=5),
     "check_val_every_n_epoch=2": lambda strategy, folder: fit(strategy, max_epochs=3, check_val_every_n_epoch=2),

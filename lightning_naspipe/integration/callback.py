@@ -14,10 +14,11 @@ from __future__ import annotations
 import re
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
+from lightning_naspipe.integration.batch_hooks import log_cut_batch
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.integration.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
@@ -56,17 +57,20 @@ class PipelineRunner(Protocol):
     def upcoming_batches(self, first_index: int) -> list[Any] | None: ...
 
 
-def keep_scheduler_monitors(module: Any) -> None:
+def keep_scheduler_monitors(module: Any, check: Callable[[], object] = lambda: None) -> None:
     """Make the module's next ``configure_optimizers`` call record the ``monitor`` of its LR schedulers.
 
     Under manual optimization Lightning drops ``monitor`` from scheduler configs (and warns that it is
     ignored), but NASPipe steps ``ReduceLROnPlateau`` itself (:class:`NASPipeCallback`). The wrapper is an
-    instance attribute that removes itself on its first call, so nothing stays on the module.
+    instance attribute that removes itself on its first call, so nothing stays on the module. ``check`` runs
+    first: Lightning calls ``configure_optimizers`` once the module's callbacks are in the Trainer's list and
+    before any hook runs training steps (a learning-rate finder swaps the list for its own while it trains).
     """
     declared = type(module).configure_optimizers
 
     def configure_optimizers() -> Any:
         del module.__dict__["configure_optimizers"]
+        check()
         return _take_monitors(declared(module))
 
     module.__dict__["configure_optimizers"] = configure_optimizers
@@ -109,6 +113,7 @@ def validate_run(trainer: Any, module: object) -> None:
         )
     if isinstance(trainer.strategy, PipelineRunner):
         _refuse_batch_counted_triggers(trainer, getattr(trainer.strategy, "window", 1))
+        _refuse_finders(trainer)
     if getattr(module, "automatic_optimization", False):
         raise NASPipeConfigError(
             f"{type(module).__name__} re-enables automatic optimization; NASPipe steps the optimizer once per "
@@ -151,6 +156,25 @@ def _refuse_batch_counted_triggers(trainer: Any, window: int) -> None:
             "subnets as in a plain run. Validate per epoch (check_val_every_n_epoch), or use "
             "NASPipeStrategy(window=1)."
         )
+
+
+def _refuse_finders(trainer: Any) -> None:
+    """Lightning's learning-rate and batch-size finders under ``NASPipeStrategy``: refused on every rank alike,
+    before the stage processes connect (``configure_callbacks`` runs first), so no rank waits for another."""
+    for kind, tuner, value, example in (
+            ("LearningRateFinder", "lr_find", "learning rate", "model.lr = finder.suggestion()"),
+            ("BatchSizeFinder", "scale_batch_size", "batch size", "model.batch_size = the size it returns")):
+        classes = tuple(getattr(ns.pytorch.callbacks, kind) for ns in installed())
+        if any(isinstance(c, classes) for c in trainer.callbacks):
+            raise NASPipeConfigError(
+                f"{kind} (the callback, or Tuner(trainer).{tuner}, which adds it) cannot run under NASPipeStrategy: a "
+                "finder trains throwaway steps with its own callbacks and step limit in place of the run's, then "
+                "restores a checkpoint in the middle of fit, which the stage processes (each holding only its own "
+                "blocks, its share of the optimizer state and the window loader's position) cannot follow. Run the "
+                "finder with the plain Trainer first (Trainer(strategy=\"auto\", devices=1), the same module and "
+                f"data: it trains the same subnets), then fit under NASPipeStrategy with the {value} it found "
+                f"(e.g. {example})."
+            )
 
 
 # Lightning's Callback holds no state and only no-op hooks, and Trainers check callbacks by type: one
@@ -209,6 +233,7 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             failures.post(exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        log_cut_batch(pl_module)  # before Lightning logs the epoch's metrics
         finish_resumed_epoch_sum(pl_module, trainer)
         step_schedulers(trainer.lr_scheduler_configs, "epoch", trainer.current_epoch + 1, trainer.callback_metrics)
 

@@ -38,34 +38,59 @@ TRAIN_LOSS = "train_loss"
 
 
 class BatchStartPoints:
-    """What ``LearningRateMonitor`` (``logging_interval`` ``"step"`` or ``None``) logs at the start of each
-    subnet's batch in a plain run; Lightning calls it once per window.
+    """What per-batch monitors log around each subnet's batch in a plain run, where Lightning calls their hooks
+    once per window: ``LearningRateMonitor`` (``logging_interval`` ``"step"`` or ``None``) at each batch start,
+    ``DeviceStatsMonitor`` at each batch start and end.
 
     Called with each subnet's index after its update and scheduler step (:attr:`.Engine.after_update`),
-    it takes the monitors' points for the next subnet of the window, as they read the optimizer then;
-    :func:`log_window_losses` logs them in that subnet's turn.
+    it takes the LR monitors' points for the next subnet of the window, as they read the optimizer then;
+    :func:`log_window_losses` logs them in that subnet's turn (:meth:`log_start`). Device statistics are
+    measurements, not results: they are taken in the subnet's turn, at the steps a plain run logs them.
 
     Args:
         trainer: the running Trainer.
         first, last: the window's first and last subnet index.
+        first_batch_idx: the plain run's ``batch_idx`` of the window's first subnet (its place in the epoch).
     """
 
-    def __init__(self, trainer: Any, first: int, last: int) -> None:
-        self.trainer, self.first, self.last = trainer, first, last
+    def __init__(self, trainer: Any, first: int, last: int, first_batch_idx: int = 0) -> None:
+        self.trainer, self.first, self.last, self.first_batch_idx = trainer, first, last, first_batch_idx
         self.monitors = lr_monitors(trainer)
-        #: Per subnet index, the points to log at its batch start.
-        self.points: dict[int, list[dict[str, float]]] = {}
+        self.device_monitors = device_monitors(trainer)
+        #: Per subnet index, each LR monitor's point (by ``id``) to log at its batch start.
+        self.points: dict[int, dict[int, dict[str, float]]] = {}
 
     def __call__(self, index: int) -> None:
         batch = index + 1
         every = self.trainer.log_every_n_steps
-        if not self.first < batch <= self.last or not ((batch + 1) % every == 0 or self.trainer.should_stop):
+        if not self.first < batch <= self.last or not every or not ((batch + 1) % every == 0
+                                                                     or self.trainer.should_stop):
             return  # Lightning's own should_update_logs, for that batch
         for monitor in self.monitors:
             # _extract_stats (private, Lightning 2.6): what the monitor's on_train_batch_start logs.
             stats = monitor._extract_stats(self.trainer, "step" if monitor.logging_interval is None else "any")
             if stats:
-                self.points.setdefault(batch, []).append(stats)
+                self.points.setdefault(batch, {})[id(monitor)] = stats
+
+    def log_start(self, module: Any, index: int, batch: Any) -> None:
+        """Subnet ``index``'s batch-start points (not the window's first: Lightning started that batch itself),
+        in the order of the Trainer's callbacks, as Lightning calls their hooks."""
+        points = self.points.get(index, {})
+        for callback in self.trainer.callbacks:
+            if id(callback) in points:
+                for logger in self.trainer.loggers:
+                    logger.log_metrics(points[id(callback)], step=index)
+            elif any(callback is monitor for monitor in self.device_monitors):
+                # Its own hook: it logs at the loggers' step, which counts subnets here (log_window_losses).
+                callback.on_train_batch_start(self.trainer, module, batch, self._batch_idx(index))
+
+    def log_end(self, module: Any, index: int, batch: Any, loss: Tensor) -> None:
+        """Subnet ``index``'s batch-end points (not the window's last: Lightning ends that batch itself)."""
+        for monitor in self.device_monitors:
+            monitor.on_train_batch_end(self.trainer, module, {"loss": loss}, batch, self._batch_idx(index))
+
+    def _batch_idx(self, index: int) -> int:
+        return self.first_batch_idx + index - self.first
 
 
 def lr_monitors(trainer: Any) -> list[Any]:
@@ -74,14 +99,23 @@ def lr_monitors(trainer: Any) -> list[Any]:
     return [c for c in trainer.callbacks if isinstance(c, kinds) and c.logging_interval != "epoch"]
 
 
+def device_monitors(trainer: Any) -> list[Any]:
+    """The trainer's ``DeviceStatsMonitor`` callbacks (either namespace)."""
+    kinds = tuple(ns.pytorch.callbacks.DeviceStatsMonitor for ns in installed())
+    return [c for c in trainer.callbacks if isinstance(c, kinds)]
+
+
 def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | None], batches: Sequence[Any],
                       batch_sizes: Sequence[int], records: Sequence[Any] = (),
-                      batch_starts: dict[int, list[dict[str, float]]] | None = None) -> None:
+                      batch_starts: BatchStartPoints | None = None,
+                      batch_start_logs: dict[int, list[Any]] | None = None) -> None:
     """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) and what its
     ``compute_loss`` logged (``records``: ``(index, name, value, args, kwargs)`` of each ``self.log`` call,
     see :class:`~lightning_naspipe.pipeline.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
     own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped. ``batch_starts``: the
-    points of :class:`BatchStartPoints`, logged first in their subnet's turn.
+    per-batch monitors (:class:`BatchStartPoints`), whose batch-start points come first in a subnet's turn and
+    batch-end points before its step metrics. ``batch_start_logs``: what the module's ``on_train_batch_start``
+    logged for each subnet but the window's first (:mod:`.batch_hooks`), logged next.
 
     Call it from ``training_step`` with the whole window.
     """
@@ -110,9 +144,9 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
         else:
             results.batch, results.batch_size = batches[k], None
         epoch_loop._batches_that_stepped = index  # the loggers' step axis counts subnets, as in the plain run
-        for point in (batch_starts or {}).get(index, ()):
-            for logger in trainer.loggers:
-                logger.log_metrics(point, step=index)
+        if batch_starts is not None and position:
+            batch_starts.log_start(module, index, batches[k])
+        log_hook_calls(module, "on_train_batch_start", (batch_start_logs or {}).get(index, ()))
         for _, name, value, args, kwargs in by_subnet.get(index, ()):
             module.log(name, value, *args, **kwargs)
         if key is None:
@@ -123,11 +157,30 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
         else:  # what self.log does for a metric already registered, without its per-call overhead
             results.update_metrics(key, loss, batch_sizes[k])
         # Lightning logs the window's last subnet itself, after training_step; the others here, as it would.
-        if position < len(logged) - 1 and connector.should_update_logs:
-            connector.update_train_step_metrics()
+        if position < len(logged) - 1:
+            if batch_starts is not None:
+                batch_starts.log_end(module, index, batches[k], loss)
+            if connector.should_update_logs:
+                connector.update_train_step_metrics()
     if key is not None:  # the epoch's running sum so far (Lightning replaces, never changes, these tensors)
         metric = results[key]
         module.__dict__[EPOCH_SUM] = (trainer.current_epoch, metric.value, metric.cumulated_batch_size)
+
+
+def log_hook_calls(module: Any, hook: str, calls: Sequence[Any]) -> None:
+    """``self.log`` each recorded call ``(name, value, args, kwargs)`` as ``hook`` made it: registered under that
+    hook, with its defaults (``on_train_batch_start``'s: on step only). Never a batch that starts an epoch (that
+    one's calls are Lightning's own), so the hook's metrics are never reset here, at an epoch's end included."""
+    if not calls:
+        return
+    connector = module.trainer._logger_connector
+    own_hook, fx = module._current_fx_name, connector._current_fx
+    module._current_fx_name = connector._current_fx = hook  # (the same hook as before: self.log resets nothing)
+    try:
+        for name, value, args, kwargs in calls:
+            module.log(name, value, *args, **kwargs)
+    finally:  # as the subnet's training step left them: an epoch's first batch resets a hook's metrics that differ
+        module._current_fx_name, connector._current_fx = own_hook, fx
 
 
 #: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.

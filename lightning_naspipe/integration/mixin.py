@@ -19,6 +19,7 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.executor import loss_context
 from lightning_naspipe.pipeline.window import Window
 from lightning_naspipe.pipeline.microbatch import Batch
+from lightning_naspipe.integration.batch_hooks import recorded_logs, recording_log
 from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses, refuse_stage_hook_logging
 from lightning_naspipe.namespaces import installed, namespace_of
 from lightning_naspipe.pipeline.sampling import EVAL_DOMAIN, mix, uniform_architecture
@@ -149,20 +150,26 @@ class NASPipeMixin:
         """Lightning's ``self.log``; called from ``compute_loss`` while a window trains, it is recorded and
         logged in that subnet's turn after the window, on every stage, as a plain run logs it in the
         subnet's own step (see :mod:`.loss_log`)."""
+        hook_calls = recording_log(self)
         context = loss_context() if self.__dict__.get("_naspipe_records_logs") else None
-        if context is None:
+        if context is None and hook_calls is None:
             if self.__dict__.get("_naspipe_records_logs"):
                 refuse_stage_hook_logging(name, getattr(self, "_current_fx_name", None))
             super().log(name, value, *args, **kwargs)  # type: ignore[misc]  # LightningModule.log
             return
-        index, records = context
         if not isinstance(value, (Tensor, int, float)):
+            where = "compute_loss" if hook_calls is None else "on_train_batch_start"
             raise NASPipeConfigError(
-                f"self.log({name!r}, <{type(value).__name__}>) in compute_loss during training: NASPipe logs what "
-                "compute_loss logs after the window, and can carry tensors and numbers only. Log the value "
-                f"instead, e.g. self.log({name!r}, metric(preds, target)) rather than the metric object."
+                f"self.log({name!r}, <{type(value).__name__}>) in {where} during training: NASPipe logs what "
+                f"{where} logs for a window's subnets in each subnet's turn, and can carry tensors and numbers only. "
+                f"Log the value instead, e.g. self.log({name!r}, metric(preds, target)) rather than the metric object."
             )
-        records.append((index, name, value.detach().clone() if isinstance(value, Tensor) else value, args, kwargs))
+        value = value.detach().clone() if isinstance(value, Tensor) else value
+        if hook_calls is not None:
+            hook_calls.append((name, value, args, kwargs))
+        elif context is not None:
+            index, records = context
+            records.append((index, name, value, args, kwargs))
 
     @property
     def naspipe_seed(self) -> int:
@@ -200,8 +207,9 @@ class NASPipeMixin:
             )
         if module._trainer is not None:
             validate_run(module.trainer, self)  # before Lightning's own, less fitting, advice
-            if module.trainer.state.fn == "fit":
-                keep_scheduler_monitors(self)
+            if module.trainer.state.fn == "fit":  # the callback checked before a finder can swap the callbacks
+                trainer = module.trainer
+                keep_scheduler_monitors(self, check=lambda: self._check_callback(trainer))
         return [NASPipeCallback()]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -230,7 +238,10 @@ class NASPipeMixin:
         upcoming = pipeline.upcoming_batches(first + len(batches)) if pipeline is not None and batches else None
         self.__dict__["_naspipe_records_logs"] = pipeline is not None  # see log
         # Only windows need LearningRateMonitor's per-subnet points (a plain batch is one subnet).
-        batch_starts = BatchStartPoints(trainer, first, first + len(batches) - 1) if pipeline is not None else None
+        tracker = getattr(pipeline, "data_tracker", None)  # the window's place in the epoch, as plain batch_idx
+        batch_starts = (BatchStartPoints(trainer, first, first + len(batches) - 1,
+                                         tracker.position() if tracker is not None else batch_idx)
+                        if pipeline is not None else None)
         engine.after_update = batch_starts if batch_starts is not None and batch_starts.monitors else None
         try:
             window = engine.train_window(cast("EngineModule", self), batches, first, upcoming)
@@ -241,11 +252,11 @@ class NASPipeMixin:
             pipeline.report_stages()
             for name, value in pipeline.stage_metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)
-        return self._report(window, batches, batch_starts.points if batch_starts is not None else None)
+        return self._report(window, batches, batch_starts)
 
-    def _report(self, window: Window, batches: list[Any], batch_starts: dict[int, Any] | None) -> Tensor | None:
+    def _report(self, window: Window, batches: list[Any], batch_starts: BatchStartPoints | None) -> Tensor | None:
         log_window_losses(self, window.first_index, window.losses, batches, [self._batch_size(b) for b in batches],
-                          window.records, batch_starts)
+                          window.records, batch_starts, recorded_logs(self))
         reported = []
         for k, loss in enumerate(window.losses):
             if loss is not None:

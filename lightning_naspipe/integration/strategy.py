@@ -39,6 +39,7 @@ from lightning_naspipe.pipeline.partition import block_weights
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.processes import lost_process_named
 from lightning_naspipe.integration.progress import count_subnets
+from lightning_naspipe.integration.stepping import count_subnet_steps, stop_counting_subnet_steps
 from lightning_naspipe.pipeline.stage_table import chunks_hint, stage_table
 from lightning_naspipe.space.supernet import supernet_of
 from lightning_naspipe.integration.pipeline_build import PipelineBuilding
@@ -193,6 +194,8 @@ class NASPipeStrategy(PipelineBuilding):
         self._stages_reported = False
         self.data_tracker = DataTracker(self._trainer)
         self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
+        self._stepping_trainer: Any = None  # the Trainer whose estimated_stepping_batches counts subnets
+        self._loader: WindowLoader | None = None  # the fit's (a setup hook may load it before our setup)
 
     @override
     def connect(self, model: Any) -> None:
@@ -203,6 +206,7 @@ class NASPipeStrategy(PipelineBuilding):
             )
         self.chunks, self._chunks_note = resolve_chunks(model, self.chunks_setting)
         super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
+        self._stepping_trainer = count_subnet_steps(self._trainer())  # before a hook reads it (setup, ...)
 
     def _trainer(self) -> Any:
         assert self.lightning_module is not None, "the strategy is connected to a module"
@@ -225,10 +229,9 @@ class NASPipeStrategy(PipelineBuilding):
             weights = self._timed_weights(example)
         self._split_costs = (weights, "ms") if weights is not None else (block_weights(supernet), "params")
         self._stages_reported = False
-        self._loader: WindowLoader | None = None
         self._batch_at = self._ahead_for = (-1, -1)  # (epoch, batch_idx) of this window, of the lookahead's
         if trainer.training and self.layout.replicas > 1:  # before any training, not at the first window
-            module: Any = self.lightning_module  # the mixin's (connect checked it)
+            module: Any = self.lightning_module  # a NASPipeMixin (connect checked it)
             self.layout.check_chunks(self.chunks, len(module.sample_step(trainer.global_step)))
         self._build_engine(trainer.training)
         super().setup(trainer)
@@ -334,6 +337,8 @@ class NASPipeStrategy(PipelineBuilding):
         if self._train_limit is not None and self.lightning_module is not None:
             self.lightning_module.trainer.limit_train_batches = self._train_limit
             self._train_limit = None
+        stop_counting_subnet_steps(self._stepping_trainer)
+        self._stepping_trainer = self._loader = None
         super().teardown()
 
     def stage_metrics(self) -> dict[str, float]:
