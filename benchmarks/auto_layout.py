@@ -60,7 +60,8 @@ def worker(cfg: dict[str, Any]) -> None:
                          if (m := re.search(rf"{layout}: ([\d.]+)", line)) and "num_stages='auto' chose" in line]
             json.dump({"seconds": seconds, "subnets_per_s": cfg["steps"] / seconds, "stages": strategy.layout.stages,
                        "replicas": strategy.layout.replicas, "steady_subnets_per_s": clock.subnets / clock.elapsed,
-                       "predicted": predicted[0] if predicted else None}, f)
+                       "predicted": predicted[0] if predicted else None,
+                       "startup": [line for line in logged if "setup" in line.lower() or "took" in line]}, f)
 
 
 def main() -> int:
@@ -75,6 +76,7 @@ def main() -> int:
         return 0
     print(f"auto layout: {machine()}; SPOS CNN, {args.steps} steps, chunks {args.chunks}", flush=True)
     best = {config: float("inf") for config in CONFIGS}
+    best_steady = {config: 0.0 for config in CONFIGS}
     picked, predicted, steady = "", [], []
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as cache:
@@ -97,10 +99,14 @@ def main() -> int:
                 print(f"auto layout: {config} failed: {result['error']}")
                 return 1
             best[config] = min(best[config], result["seconds"])
+            best_steady[config] = max(best_steady[config], result["steady_subnets_per_s"])
+            if os.environ.get("AUTO_LAYOUT_VERBOSE"):
+                print(f"  {config}: {result['seconds']:.2f} s, steady {result['steady_subnets_per_s']:.2f} subnets/s; "
+                      f"{result['startup']}", flush=True)
     print(f"auto picked {picked}")
     for config in CONFIGS:
         print(f"  {config:12s} {best[config]:7.2f} s  {best['1 device'] / best[config]:.2f}x one device  "
-              f"{best['direct'] / best[config]:.2f}x direct")
+              f"{best['direct'] / best[config]:.2f}x direct  (steady state {best_steady[config]:.2f} subnets/s)")
     if predicted:  # one layout fitting is chosen without a prediction
         print(f"planner: predicted {max(predicted):.2f} subnets/s for {picked}, measured {max(steady):.2f} at steady "
               f"state (best of the rounds): error {max(predicted) / max(steady) - 1:+.0%}")
