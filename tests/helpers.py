@@ -35,6 +35,8 @@ class ToyBody(lnp.NASPipeMixin):
         super().__init__()
         self.lr = lr
         self.losses: dict[int, torch.Tensor] = {}
+        if os.environ.get("LNP_TEST_CHUNKS"):  # micro-batches per subnet, on the plain Trainer too (replicas need 2)
+            self.chunks = int(os.environ["LNP_TEST_CHUNKS"])
         # LNP_TEST_CHOICE_STEM=1: a choice of stems, so that the next window's forwards can run early.
         stem = (lnp.ChoiceBlock([nn.Linear(FEATURES, width) for _ in range(4)])
                 if os.environ.get("LNP_TEST_CHOICE_STEM") else nn.Linear(FEATURES, width))

@@ -24,12 +24,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=None, help="stages (the other processes: replicas)")
     parser.add_argument("scenarios", nargs="+", help="names in usage_scenarios.SCENARIOS")
     args = parser.parse_args()
     out = Path(args.out)
     for index, name in enumerate(args.scenarios):
         folder = out / str(index)
-        result = SCENARIOS[name](lambda: lnp.NASPipeStrategy(window=args.window, timeout=60), folder)
+        result = SCENARIOS[name](
+            lambda: lnp.NASPipeStrategy(window=args.window, num_stages=args.num_stages, timeout=60), folder)
         if os.environ.get("RANK", "0") == "0":
             torch.save(result, out / f"{index}.result")
 
