@@ -35,3 +35,24 @@ def test_changed_loop_state_layout_fails_loudly_naming_the_version() -> None:
         "epoch_progress": {"total": {}, "current": {}}}}}
     with pytest.raises(NASPipeConfigError, match=r"Lightning 9\.9\.9 .*epoch_progress.*'total'.*lightning<2\.7"):
         reopen_epoch(checkpoint, 0)
+
+
+def test_the_dependency_bounds_the_refusal_and_the_installed_versions_agree() -> None:
+    import inspect
+    import re
+
+    from packaging.version import Version
+
+    from lightning_naspipe.integration import loop_state
+    from lightning_naspipe.namespaces import installed
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    bounds = dict((name, (low, high)) for name, low, high in
+                  re.findall(r'"(lightning|pytorch-lightning)>=([\d.]+),<([\d.]+)"', pyproject))
+    assert set(bounds) == {"lightning", "pytorch-lightning"}, "pyproject bounds both Lightning packages"
+    source = inspect.getsource(loop_state)
+    for name, (_, high) in bounds.items():
+        assert f"{name}<{high}" in source, f"loop_state's refusal should tell users to install {name}<{high}"
+    for namespace in installed():  # the suite runs inside the bounds it states
+        low, high = bounds["lightning" if namespace.name == "lightning.pytorch" else "pytorch-lightning"]
+        assert Version(low) <= Version(namespace.version) < Version(high), (namespace.name, namespace.version)
