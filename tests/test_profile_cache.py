@@ -29,7 +29,7 @@ def _net(kernel: int = 3, candidates: int = 2, label: str | None = None) -> lnp.
 
 
 def _key(net: nn.Module | None = None, example: Any = None, processes: int = 2) -> dict[str, Any]:
-    return measurement_key("profile", profile_cache.space_fingerprint(net if net is not None else _net()),
+    return measurement_key("profile", profile_cache.structure_digest(net if net is not None else _net()),
                            example if example is not None else torch.zeros(4, 3, 8, 8), CPU, processes)
 
 
@@ -106,20 +106,20 @@ class _Original(nn.Module):
 def test_editing_a_modules_code_changes_the_space() -> None:
     _Edited.__qualname__ = _Original.__qualname__  # the same name, another forward
     _Edited.__module__ = _Original.__module__
-    first = profile_cache.space_fingerprint(lnp.Supernet(_Original()))
-    assert profile_cache.space_fingerprint(lnp.Supernet(_Edited())) != first
-    assert profile_cache.space_fingerprint(lnp.Supernet(_Original())) == first
+    first = profile_cache.structure_digest(lnp.Supernet(_Original()))
+    assert profile_cache.structure_digest(lnp.Supernet(_Edited())) != first
+    assert profile_cache.structure_digest(lnp.Supernet(_Original())) == first
 
 
 _HASH_SCRIPT = """
 import torch
 from torch import nn
 import lightning_naspipe as lnp
-from lightning_naspipe.integration.profile_cache import space_fingerprint
+from lightning_naspipe.integration.profile_cache import structure_digest
 class Block(nn.Module):
     def forward(self, x):
         return x if self.training in {"never", "a", "b", "c", "d", "e", "f"} else -x
-print(space_fingerprint(lnp.Supernet(Block(), nn.Linear(2, 2))))
+print(structure_digest(lnp.Supernet(Block(), nn.Linear(2, 2))))
 """
 
 
@@ -164,6 +164,6 @@ def test_a_folder_that_cannot_be_written_only_warns(tmp_path: Path, monkeypatch:
 
 def test_a_lazy_module_has_a_fingerprint_before_its_first_forward() -> None:
     lazy = lnp.Supernet(nn.LazyLinear(3))
-    before = profile_cache.space_fingerprint(lazy)
+    before = profile_cache.structure_digest(lazy)
     lazy.blocks[0](torch.zeros(2, 5))
-    assert len(before) == 64 and profile_cache.space_fingerprint(lazy) != before
+    assert len(before) == 64 and profile_cache.structure_digest(lazy) != before

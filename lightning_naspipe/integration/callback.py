@@ -114,6 +114,7 @@ def validate_run(trainer: Any, module: object) -> None:
     if isinstance(trainer.strategy, PipelineRunner):
         _refuse_batch_counted_triggers(trainer, getattr(trainer.strategy, "window", 1))
         _refuse_finders(trainer)
+        _refuse_weight_averaging(trainer)
     if getattr(module, "automatic_optimization", False):
         raise NASPipeConfigError(
             f"{type(module).__name__} re-enables automatic optimization; NASPipe steps the optimizer once per "
@@ -128,8 +129,6 @@ def validate_run(trainer: Any, module: object) -> None:
             "optimization; NASPipe steps one subnet at a time. Use it when fine-tuning the exported subnet "
             "(lnp.save_subnet, or supernet.freeze(architecture)) with a plain LightningModule."
         )
-    if isinstance(trainer.strategy, PipelineRunner):
-        _refuse_weight_averaging(trainer)
     if trainer.accumulate_grad_batches != 1:
         raise NASPipeConfigError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: every batch "
@@ -272,8 +271,8 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
 def _refuse_weight_averaging(trainer: Any) -> None:
     """Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``) under the strategy."""
-    classes = tuple(getattr(ns.pytorch.callbacks, "WeightAveraging", ()) for ns in installed())
-    averaging = [type(c).__name__ for c in trainer.callbacks if isinstance(c, tuple(k for k in classes if k))]
+    classes = tuple(ns.pytorch.callbacks.WeightAveraging for ns in installed())
+    averaging = [type(c).__name__ for c in trainer.callbacks if isinstance(c, classes)]
     if averaging:
         raise NASPipeConfigError(
             f"{averaging[0]} (a WeightAveraging callback) updates its average in on_train_batch_end from the whole "

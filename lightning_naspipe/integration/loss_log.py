@@ -183,7 +183,6 @@ def log_hook_calls(module: Any, hook: str, calls: Sequence[Any]) -> None:
         module._current_fx_name, connector._current_fx = own_hook, fx
 
 
-#: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.
 #: Hooks that run inside a window's backward and updates, on each stage for its own blocks.
 STAGE_HOOKS = frozenset({"on_before_backward", "on_after_backward", "on_before_optimizer_step",
                          "configure_gradient_clipping", "on_before_zero_grad", "optimizer_zero_grad"})
@@ -201,6 +200,7 @@ def refuse_stage_hook_logging(name: str, hook: str | None) -> None:
     )
 
 
+#: Where a resumed run keeps the checkpoint's running sum behind ``train_loss_epoch`` until it continues it.
 RESUMED_SUM = "_naspipe_resumed_loss_sum"
 #: ``(epoch, sum, batch count)`` behind ``train_loss_epoch`` after the last logged window.
 EPOCH_SUM = "_naspipe_epoch_loss_sum"

@@ -150,10 +150,10 @@ class NASPipeMixin:
         """Lightning's ``self.log``; called from ``compute_loss`` while a window trains, it is recorded and
         logged in that subnet's turn after the window, on every stage, as a plain run logs it in the
         subnet's own step (see :mod:`.loss_log`)."""
-        hook_calls = recording_log(self)
-        context = loss_context() if self.__dict__.get("_naspipe_records_logs") else None
+        hook_calls, in_window = recording_log(self), self.__dict__.get("_naspipe_records_logs")
+        context = loss_context() if in_window else None
         if context is None and hook_calls is None:
-            if self.__dict__.get("_naspipe_records_logs"):
+            if in_window:
                 refuse_stage_hook_logging(name, getattr(self, "_current_fx_name", None))
             super().log(name, value, *args, **kwargs)  # type: ignore[misc]  # LightningModule.log
             return

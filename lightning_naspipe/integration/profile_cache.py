@@ -2,7 +2,7 @@
 that reruns and resumes skip the measuring.
 
 An entry is keyed by everything the numbers depend on (:func:`measurement_key`): the space's structure
-(:func:`space_fingerprint`: every module's class, its code and settings, every parameter's and buffer's name, shape,
+(:func:`structure_digest`: every module's class, its code and settings, every parameter's and buffer's name, shape,
 dtype and whether it trains, the labels; not the weights), the device (:func:`device_name`: CPU model or CUDA device
 name), torch's version, the CPU threads per process, the processes measuring at once, the example input's shapes and
 dtypes, what was measured and :data:`FORMAT`. Folder: ``$LIGHTNING_NASPIPE_CACHE``, else
@@ -30,7 +30,7 @@ from torch.nn.parameter import is_lazy
 from lightning_naspipe.integration.checkpoint_io import atomic_write
 from lightning_naspipe.transport.boundary import tensors_in
 
-__all__ = ["ENV", "FORMAT", "cache_dir", "device_name", "load", "measurement_key", "space_fingerprint", "store"]
+__all__ = ["ENV", "FORMAT", "cache_dir", "device_name", "load", "measurement_key", "store", "structure_digest"]
 
 #: The environment variable naming the cache folder (``0``: no cache).
 ENV = "LIGHTNING_NASPIPE_CACHE"
@@ -50,7 +50,7 @@ def cache_dir() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_naspipe"
 
 
-def space_fingerprint(supernet: nn.Module) -> str:
+def structure_digest(supernet: nn.Module) -> str:
     """A hash of ``supernet``'s structure: each module's name, class (and its code, so that an edited ``forward``
     counts), settings (``extra_repr``), label and elastic dimensions, each parameter's and buffer's name, shape, dtype
     and ``requires_grad``, and the supernet's labels; not the values of the weights."""
@@ -112,7 +112,7 @@ def _cpu_model() -> str:
 
 
 def measurement_key(kind: str, space: str, example: Any, device: torch.device, processes: int) -> dict[str, Any]:
-    """The key of measuring ``kind`` (e.g. ``"profile"``) of the space whose :func:`space_fingerprint` is ``space`` on
+    """The key of measuring ``kind`` (e.g. ``"profile"``) of the space whose :func:`structure_digest` is ``space`` on
     ``example`` (what the first block receives) on ``device``, by ``processes`` processes at once."""
     return {"format": FORMAT, "kind": kind, "space": space, "device": device_name(device),
             "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,

@@ -54,7 +54,7 @@ class StartupMeasures:
 
     @functools.cached_property
     def _space(self) -> str:
-        return profile_cache.space_fingerprint(self.supernet)
+        return profile_cache.structure_digest(self.supernet)
 
     def _key(self, kind: str, micro: BlockValue) -> dict[str, Any]:
         return profile_cache.measurement_key(kind, self._space, micro, self.device, self.processes)

@@ -133,12 +133,11 @@ def compare(command: Sequence[str], model: Any, layout: str, steps: int, ignore:
     differences = compare_runs(results["plain"], results["pipelined"], ignore,
                                outside_supernet=lambda name: not name.startswith(prefix),
                                describe_step=lambda step: _describe_step(model, step))
-    report = VerifyReport(tuple(differences), counts(results["plain"]), layout, steps)
-    if report.exact:
-        shutil.rmtree(folder, ignore_errors=True)
+    if differences:
+        layout = f"{layout} (runs kept in {folder})"
     else:
-        report = VerifyReport(report.differences, report.compared, f"{layout} (runs kept in {folder})", steps)
-    return report
+        shutil.rmtree(folder, ignore_errors=True)
+    return VerifyReport(tuple(differences), counts(results["plain"]), layout, steps)
 
 
 def verify(model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None, datamodule: Any = None, *,
