@@ -4,7 +4,7 @@ For each space of ``zoo_spaces.py`` and each round, in a rotated order: the plai
 ``NASPipeStrategy()`` on 2 stages (every default, as in ``zoo.py``), each without clipping and with
 ``Trainer(gradient_clip_val=1.0)`` (norm clipping). On one device clipping costs the norm and the
 multiply; on 2 stages each update also waits for the other stage's gradients of its subnet and
-exchanges the per-tensor norms (``lightning_naspipe.pipeline.grad_norm``), so the last stage's update of a
+exchanges the per-tensor norms (``lightning_naspipe.pipeline.exactness.grad_norm``), so the last stage's update of a
 subnet comes after the first stage's backward of it. Ratios are taken within a round; the table gives
 the medians of ``clip / no clip`` (throughput) on each side and the milliseconds a subnet gains. First,
 the exchange alone: two stage processes with the strategy's default links (shared memory) run
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.actions import UPDATE, Action, Schedule
-from lightning_naspipe.pipeline.grad_norm import NormExchange, StageNorms
+from lightning_naspipe.schedule.actions import UPDATE, Action, Schedule
+from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange, StageNorms
 from lightning_naspipe.transport.p2p import P2PTransport
 from common import add_common_args, fit_timed, launch, machine, ok, ran_as_worker, rate, rotated_rounds, write_json
 from zoo import config

@@ -29,7 +29,7 @@ import torch
 
 import lightning_naspipe as lnp
 from lightning_naspipe.planning.block_timing import timed_block_weights
-from lightning_naspipe.pipeline.partition import balanced_split
+from lightning_naspipe.pipeline.placement.partition import balanced_split
 
 #: ``subnets_per_s``, ``samples_per_s``, ``subnets``; or ``error`` for a failed run.
 Result = dict[str, Any]

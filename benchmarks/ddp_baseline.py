@@ -27,7 +27,7 @@ from torch import Tensor
 
 from common import Result, add_common_args, bar_chart, fit_timed, launch, machine, plot, print_table, ran_as_worker
 from common import write_json
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from space_sweep import CharLM, model_args, text_loader
 
 SPACE_SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "space_sweep.py")

@@ -36,12 +36,12 @@ import torch
 
 import lightning_naspipe as lnp
 from common import Result, add_common_args, launch, machine, ok, plot, write_json
-from lightning_naspipe.transport.boundary import backward_through, cut, leaf_grads
-from lightning_naspipe.pipeline.schedule import scheduling_resources
-from lightning_naspipe.pipeline.microbatch import split_batch
-from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups
-from lightning_naspipe.pipeline.sampling import keyed_rng
-from lightning_naspipe.pipeline.schedule import build_schedule
+from lightning_naspipe.space.boundary import backward_through, cut, leaf_grads
+from lightning_naspipe.schedule.schedules import scheduling_resources
+from lightning_naspipe.pipeline.runtime.microbatch import split_batch
+from lightning_naspipe.pipeline.runtime.optim import resource_parameters, restrict_param_groups
+from lightning_naspipe.pipeline.sampling.keyed import keyed_rng
+from lightning_naspipe.schedule.schedules import build_schedule
 from space_sweep import CharLM, model_args, text_loader
 
 SPACE_SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "space_sweep.py")

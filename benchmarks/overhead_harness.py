@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.transport.boundary import map_tensors, tensors_in
-from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.space.boundary import map_tensors, tensors_in
+from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.planning.profile import _default_optimizer, _NullModule
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.supernet import Supernet
 
 __all__ = ["lightning_overheads", "pipeline_overheads"]

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_naspipe import Supernet
-from lightning_naspipe.pipeline.schedule import scheduling_resources
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, Action
-from lightning_naspipe.pipeline.schedule import build_schedule
+from lightning_naspipe.schedule.schedules import scheduling_resources
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, Action
+from lightning_naspipe.schedule.schedules import build_schedule
 
 FORWARD_COST, BACKWARD_COST, UPDATE_COST = 1.0, 2.0, 0.05
 

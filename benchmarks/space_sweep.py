@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_naspipe as lnp
 from common import Result, add_common_args, fit_timed, launch, machine, naspipe_strategy, plot, print_table, rate
 from common import ran_as_worker, ratio, time_balance, write_json
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from schedule_model import modelled_speedup, ranges_of
 
 VOCAB = 256

@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_naspipe as lnp
 from common import Result, add_common_args, bar_chart, fit_timed, launch, machine, naspipe_strategy, plot
 from common import print_table, ran_as_worker, time_balance, write_json
-from lightning_naspipe.pipeline.partition import stage_ranges
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.placement.partition import stage_ranges
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from schedule_model import modelled_speedup, ranges_of
 
 CLASSES = 10

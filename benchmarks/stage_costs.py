@@ -29,8 +29,8 @@ import pytorch_lightning
 import torch
 
 import lightning_naspipe as lnp
-import lightning_naspipe.pipeline.engine as engine
-import lightning_naspipe.pipeline.executor as executor
+import lightning_naspipe.pipeline.runtime.engine as engine
+import lightning_naspipe.pipeline.runtime.executor as executor
 import lightning_naspipe.integration.preemption as preemption
 import lightning_naspipe.transport.shm_links as shm_links
 import lightning_naspipe.space.supernet as supernet

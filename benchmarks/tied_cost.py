@@ -4,7 +4,7 @@ The space sweep's char-LM (``space_sweep.CharLM`` with one embedding and one hea
 head's weight the embedding table (``tied``) or a weight of its own, on the plain 1-device Trainer and on 2
 stages (``NASPipeStrategy()``, every default: the embedding on stage 0, the head on stage 1). Tied on 2
 stages, each subnet's first activation also carries the table from stage 0 to stage 1 and its input
-gradients carry the head's contribution back (``lightning_naspipe.pipeline.ties``): no extra message, two
+gradients carry the head's contribution back (``lightning_naspipe.pipeline.exactness.ties``): no extra message, two
 table-sized tensors more per subnet and chunk. Ratios are taken within a round (rotated order); the table
 gives the medians of ``tied / untied`` throughput and the milliseconds a subnet gains. Run from the
 repository root::

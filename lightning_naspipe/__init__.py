@@ -22,7 +22,7 @@ from lightning_naspipe.searching.searchers import (EvolutionSearch, GridSearch, 
 from lightning_naspipe.integration.strategy import NASPipeStrategy
 from lightning_naspipe.integration.verify import verify
 from lightning_naspipe.integration.verify_report import Difference, VerifyReport
-from lightning_naspipe.pipeline.step_sampling import Constrained, FairNAS, Sandwich
+from lightning_naspipe.pipeline.sampling.step_sampling import Constrained, FairNAS, Sandwich
 from lightning_naspipe.space.choice import ChoiceBlock
 from lightning_naspipe.space.supernet import Supernet
 from lightning_naspipe.transport.p2p import StageFailure

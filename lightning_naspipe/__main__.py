@@ -24,7 +24,7 @@ from lightning_naspipe.space.supernet import supernet_of
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning import SpaceSpec, plan, table, wide_spec
 from lightning_naspipe.planning.planner import best_layout, plan_layouts
-from lightning_naspipe.pipeline.schedule import SCHEDULES
+from lightning_naspipe.schedule.schedules import SCHEDULES
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 The stage threads take turns: a thread holds the baton while it computes and gives it up only
 while it waits for a message, so at most one stage runs torch code at a time (keyed randomness
 seeds the global generator) and the run is deterministic. Each stage has its own
-:class:`~lightning_naspipe.pipeline.engine.Engine` and runs its row of the same schedule, exactly as
+:class:`~lightning_naspipe.pipeline.runtime.engine.Engine` and runs its row of the same schedule, exactly as
 stage processes do; only the transport differs.
 """
 
@@ -17,10 +17,10 @@ import torch
 from torch import Tensor
 
 from lightning_naspipe.transport import wire
-from lightning_naspipe.pipeline.engine import Engine, EngineModule
-from lightning_naspipe.pipeline.window import Window
+from lightning_naspipe.pipeline.runtime.engine import Engine, EngineModule
+from lightning_naspipe.pipeline.runtime.window import Window
 from lightning_naspipe.pipeline.offload.offload import Offloader
-from lightning_naspipe.pipeline.actions import NORMS, Schedule
+from lightning_naspipe.schedule.actions import NORMS, Schedule
 
 
 class _World:
@@ -34,7 +34,7 @@ class _World:
 
 
 class LocalTransport:
-    """The :class:`~lightning_naspipe.pipeline.executor.Transport` of one stage thread."""
+    """The :class:`~lightning_naspipe.pipeline.runtime.executor.Transport` of one stage thread."""
 
     # Threads of one process on the CPU: nothing to wait on that counts, no one to tell of a failure.
     device = torch.device("cpu")
@@ -130,7 +130,7 @@ def train_pipelined(module: EngineModule | Sequence[EngineModule], stage_blocks:
     Each window is given the next one's batches, as the strategy does; ``engines`` (if given) is filled
     with the stage engines. Before each window starting at one of ``epoch_ends``, the window before
     was given other batches as its next (an epoch that ended early) and the lookahead is dropped.
-    ``defer_weight_grads`` and ``clip_norms`` as for :class:`~lightning_naspipe.pipeline.engine.Engine`.
+    ``defer_weight_grads`` and ``clip_norms`` as for :class:`~lightning_naspipe.pipeline.runtime.engine.Engine`.
     ``module``: one the stages share, or one per stage (copies, as stage processes hold; ``offload``: each
     stage keeps its blocks in a host copy, see :class:`~lightning_naspipe.pipeline.offload.offload.Offloader`)."""
     modules = list(module) if isinstance(module, Sequence) else [module] * len(stage_blocks)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from inprocess import LocalTransport, _World
-from lightning_naspipe.pipeline.engine import Engine, EngineModule
+from lightning_naspipe.pipeline.runtime.engine import Engine, EngineModule
 
 
 class _Links:
@@ -22,7 +22,8 @@ class _Links:
 
 
 class BatonGroup:
-    """A :class:`~lightning_naspipe.pipeline.replicas.ReplicaGroup` of the replica threads of one stage; its messages
+    """A :class:`~lightning_naspipe.pipeline.exactness.replicas.ReplicaGroup` of the replica threads of one stage; its
+    messages
     take the ways :class:`~lightning_naspipe.transport.replica_links.ReplicaLinks` takes."""
 
     wait_s = 0.0

@@ -1,9 +1,9 @@
-"""Tests for the plain-data pipeline types (lightning_naspipe.pipeline.actions): Action, Schedule."""
+"""Tests for the plain-data pipeline types (lightning_naspipe.schedule.actions): Action, Schedule."""
 
 import pytest
 
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, NORMS, UPDATE, Action
-from lightning_naspipe.pipeline.schedule import build_schedule
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, NORMS, UPDATE, Action
+from lightning_naspipe.schedule.schedules import build_schedule
 from test_schedule import B, F, Res, U
 
 

@@ -10,7 +10,7 @@ import lightning_naspipe as lnp
 from lightning_naspipe.planning.block_cost import PathTimes
 from lightning_naspipe.planning.block_timing import (agreed_timed_weights, spec_weights, timed_block_weights,
                                                     timed_share, weights_of)
-from lightning_naspipe.pipeline.partition import balanced_split, block_weights, stage_ranges
+from lightning_naspipe.pipeline.placement.partition import balanced_split, block_weights, stage_ranges
 
 
 def _conv_net() -> lnp.Supernet:

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.transport.boundary import (backward_through, cut, grad_targets, leaf_grads, map_tensors,
+from lightning_naspipe.space.boundary import (backward_through, cut, grad_targets, leaf_grads, map_tensors,
                                                   tensors_in)
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.partition import shared_buffer_cuts
-from lightning_naspipe.pipeline.placement import first_blocks
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.placement.partition import shared_buffer_cuts
+from lightning_naspipe.pipeline.placement.moves import first_blocks
 from inprocess import train_pipelined
 from test_engine import FakeModule
 
@@ -159,7 +159,8 @@ def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...], where: str) -> None:
 @given(seed=st.integers(0, 10**6), chunks=st.sampled_from([1, 2]), defer=st.sampled_from([None, True, False]))
 def test_every_cut_gives_the_one_stage_result(seed: int, chunks: int, defer: bool | None) -> None:
     """``defer``: every stage but the first sends its input gradients before it computes its weight
-    gradients (:mod:`lightning_naspipe.pipeline.weight_grads`) in every window (``True``), never (``False``), or
+    gradients (:mod:`lightning_naspipe.pipeline.exactness.weight_grads`) in every window (``True``), never
+    (``False``), or
     as measured (``None``)."""
     net = random_space(seed)
     data = _batches(10, seed)

@@ -1,4 +1,5 @@
-"""Gradient clipping (lightning_naspipe.pipeline.clipping): Lightning's order and settings under the mixin, and the
+"""Gradient clipping (lightning_naspipe.pipeline.exactness.clipping): Lightning's order and settings under the mixin,
+and the
 same bits on any number of stages (the multi-process run: tests/test_pipeline.py)."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from torch import nn
 import lightning_naspipe as lnp
 from helpers import NAMESPACES, TOY_NETS, ToyBody, toy_loader, train
 from inprocess import train_pipelined
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from test_engine import FakeModule
 
 MAX_NORM = 0.2  # below most subnets' gradient norm on ToyNet: clipping scales most updates
@@ -122,8 +123,8 @@ def test_a_norm_clip_without_a_planned_exchange_is_refused_on_several_stages() -
 
 
 def _update(exchange: bool) -> tuple[Any, list[nn.Parameter], torch.optim.Optimizer]:
-    from lightning_naspipe.pipeline.clipping import UpdateClipping
-    from lightning_naspipe.pipeline.grad_norm import NormExchange
+    from lightning_naspipe.pipeline.exactness.clipping import UpdateClipping
+    from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange
 
     params = [nn.Parameter(torch.ones(3)) for _ in range(3)]
     for n, p in enumerate(params):
@@ -256,7 +257,7 @@ def test_guard_the_private_lightning_api_clipping_relies_on(namespace: Any) -> N
 
 
 def test_which_runs_plan_a_norm_exchange() -> None:
-    from lightning_naspipe.pipeline.clipping import _overrides_clipping, clips, clips_by_norm
+    from lightning_naspipe.pipeline.exactness.clipping import _overrides_clipping, clips, clips_by_norm
 
     def module(value: Any, algorithm: Any) -> Any:
         return SimpleNamespace(trainer=SimpleNamespace(gradient_clip_val=value, gradient_clip_algorithm=algorithm))
@@ -272,10 +273,10 @@ def test_which_runs_plan_a_norm_exchange() -> None:
 
 def test_the_async_baseline_sends_norm_messages_in_the_order_it_runs_its_updates() -> None:
     """``schedule="async"`` moves every update to the window's end: the links carry the norm messages there."""
-    from lightning_naspipe.pipeline.window import Window
-    from lightning_naspipe.pipeline.window_plan import plan_window
-    from lightning_naspipe.pipeline.actions import UPDATE
-    from lightning_naspipe.pipeline.schedule_rules import replay
+    from lightning_naspipe.pipeline.runtime.window import Window
+    from lightning_naspipe.pipeline.runtime.window_plan import plan_window
+    from lightning_naspipe.schedule.actions import UPDATE
+    from lightning_naspipe.schedule.rules import replay
 
     supernet = ToyBody().supernet
     window = Window(0, [uniform_architecture(supernet.labels, 1, i) for i in range(6)], [[(None, 1.0)]] * 6)

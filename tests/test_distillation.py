@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.actions import FORWARD, UPDATE
-from lightning_naspipe.pipeline.distillation import Teachers, wants_teacher
-from lightning_naspipe.pipeline.window import Window
-from lightning_naspipe.pipeline.window_plan import plan_window
+from lightning_naspipe.schedule.actions import FORWARD, UPDATE
+from lightning_naspipe.pipeline.exactness.distillation import Teachers, wants_teacher
+from lightning_naspipe.pipeline.runtime.window import Window
+from lightning_naspipe.pipeline.runtime.window_plan import plan_window
 from test_replicas import _Group, _World
 
 

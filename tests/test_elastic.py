@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.choice import active_architecture
 from tests.helpers import FEATURES, assert_same_state, full_state, pl, toy_loader, train
 

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-import lightning_naspipe.pipeline.window_plan as window_plan_module
+import lightning_naspipe.pipeline.runtime.window_plan as window_plan_module
 from inprocess import train_pipelined
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.window import Window
-from lightning_naspipe.pipeline.window_plan import plan_window
-from lightning_naspipe.pipeline.sampling import keyed_rng, uniform_architecture
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.runtime.window import Window
+from lightning_naspipe.pipeline.runtime.window_plan import plan_window
+from lightning_naspipe.pipeline.sampling.keyed import keyed_rng, uniform_architecture
 
 SEED = 11
 
@@ -164,8 +164,8 @@ def test_baseline_schedules_stay_exact(schedule: str) -> None:
 
 
 def test_scheduling_resources_per_mode() -> None:
-    from lightning_naspipe.pipeline.schedule import scheduling_resources
-    from lightning_naspipe.pipeline.schedule import build_schedule
+    from lightning_naspipe.schedule.schedules import scheduling_resources
+    from lightning_naspipe.schedule.schedules import build_schedule
 
     real = [[frozenset({1}), frozenset()], [frozenset({2}), frozenset({3})], [frozenset({1}), frozenset()]]
     csp, one, free = (build_schedule(scheduling_resources(m, real), 1) for m in ("csp", "one_in_flight", "async"))
@@ -178,7 +178,7 @@ def test_scheduling_resources_per_mode() -> None:
 
 
 def test_metrics_name_each_source_and_are_empty_without_one() -> None:
-    from lightning_naspipe.pipeline.telemetry import StageTelemetry
+    from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry
 
     assert Engine([range(2)]).metrics() == {}
     found = Engine([range(2)], telemetry=StageTelemetry(0)).metrics()

@@ -1,4 +1,5 @@
-"""The global gradient norm across stages (lightning_naspipe.pipeline.grad_norm) is torch's one-device norm, bit for
+"""The global gradient norm across stages (lightning_naspipe.pipeline.exactness.grad_norm) is torch's one-device norm,
+bit for
 bit."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.grad_norm import NormExchange, StageNorms, combine, local_norms, total_norm
+from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange, StageNorms, combine, local_norms, total_norm
 
 DTYPES = {"float32": [torch.float32], "mixed": [torch.float32, torch.float64, torch.bfloat16, torch.float16]}
 

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.pipeline import host_rng
-from lightning_naspipe.pipeline.host_rng import keyed_host_generators
+from lightning_naspipe.pipeline.sampling import host_rng
+from lightning_naspipe.pipeline.sampling.host_rng import keyed_host_generators
 
 
 def _draws() -> tuple[float, float, float]:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.layout import Layout
+from lightning_naspipe.pipeline.placement.layout import Layout
 
 
 def test_ranks_are_stage_major() -> None:

@@ -1,4 +1,4 @@
-"""Tests for lookahead across windows (lightning_naspipe.pipeline.lookahead): steps planned one after another
+"""Tests for lookahead across windows (lightning_naspipe.schedule.lookahead): steps planned one after another
 form one valid CSP schedule of the whole run, and the next window's forwards fill the drain."""
 
 from collections.abc import Hashable, Sequence
@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.pipeline.actions import CostFn
-from lightning_naspipe.pipeline.window_plan import _exchange_cost
-from lightning_naspipe.pipeline.lookahead import StepPlan, plan_step
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, Action, Schedule
-from lightning_naspipe.pipeline.schedule import build_schedule
-from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
+from lightning_naspipe.schedule.actions import CostFn
+from lightning_naspipe.pipeline.runtime.window_plan import _exchange_cost
+from lightning_naspipe.schedule.lookahead import StepPlan, plan_step
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, Action, Schedule
+from lightning_naspipe.schedule.schedules import build_schedule
+from lightning_naspipe.schedule.rules import check_schedule, replay
 
 Res = list[list[frozenset[Hashable]]]
 

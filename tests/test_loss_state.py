@@ -10,8 +10,8 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from inprocess import train_pipelined
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.loss_state import OutsideState, outside_state
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.exactness.loss_state import OutsideState, outside_state
 from test_engine import FakeModule, batches, make_supernet
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.microbatch import split_batch
+from lightning_naspipe.pipeline.runtime.microbatch import split_batch
 
 
 def test_one_chunk_returns_the_batch_itself() -> None:
@@ -34,7 +34,7 @@ def test_unsplittable_batches(batch: object, needle: str) -> None:
 def test_batch_sizes_of_a_plain_loader() -> None:
     from torch.utils.data import DataLoader
 
-    from lightning_naspipe.pipeline.microbatch import batch_sizes
+    from lightning_naspipe.pipeline.runtime.microbatch import batch_sizes
 
     assert batch_sizes(DataLoader(list(range(10)), batch_size=4)) == {4, 2}
     assert batch_sizes(DataLoader(list(range(10)), batch_size=4, drop_last=True)) == {4}

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.pipeline.offload.offload import Offloader
 from test_engine import FakeModule, batches, make_supernet
 
@@ -81,7 +81,7 @@ def test_a_failed_evaluation_releases_what_it_acquired(monkeypatch: pytest.Monke
     module, offloader = _train(True, 4)
     assert offloader is not None
     engine = Engine([range(len(module.supernet))], offloader=offloader)
-    from lightning_naspipe.pipeline.executor import StageExecutor
+    from lightning_naspipe.pipeline.runtime.executor import StageExecutor
 
     def fails(*args: object) -> None:
         raise RuntimeError("out of memory")

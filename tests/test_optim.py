@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.optim import module_parameters, restrict_param_groups, step_schedulers
+from lightning_naspipe.pipeline.runtime.optim import module_parameters, restrict_param_groups, step_schedulers
 
 
 def test_restricted_step_touches_only_given_parameters() -> None:

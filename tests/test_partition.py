@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.partition import balanced_split, block_weights, shared_buffer_cuts, stage_ranges
+from lightning_naspipe.pipeline.placement.partition import (
+    balanced_split, block_weights, shared_buffer_cuts, stage_ranges,
+)
 
 
 def _net() -> lnp.Supernet:
@@ -61,7 +63,7 @@ def test_bad_partitions(stages: int, balance: list[int] | None, needle: str) -> 
 
 def test_tied_weights_may_span_stages_but_shared_buffers_stay_on_one() -> None:
     embedding, head = nn.Embedding(5, 4), nn.Linear(4, 5)
-    head.weight = embedding.weight  # two modules, one Parameter: each stage holds a copy (pipeline.ties)
+    head.weight = embedding.weight  # two modules, one Parameter: each stage holds a copy (pipeline.exactness.ties)
     net = lnp.Supernet(embedding, nn.ReLU(), nn.Linear(4, 4), lnp.ChoiceBlock([head, nn.Linear(4, 5)]), nn.Tanh())
     assert shared_buffer_cuts(net) == set()
     assert stage_ranges(net, 2, balance=[2, 3]) == [range(0, 2), range(2, 5)]

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from lightning_naspipe.pipeline.placement import owner_of, rebalanced
+from lightning_naspipe.pipeline.placement.moves import owner_of, rebalanced
 
 
 def test_owner_of_finds_the_stage_holding_a_block() -> None:

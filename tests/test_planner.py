@@ -15,12 +15,12 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.planning import planner
-from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.planning.planner import best_layout, fitting_layouts, plan, plan_layouts, simulate
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec, wide_spec
 from lightning_naspipe.planning.stalls import CAUSES
 from lightning_naspipe.planning import profile_supernet
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from test_engine import FakeModule as EngineFakeModule
 
 

@@ -328,7 +328,7 @@ def test_host_generator_internals() -> None:
 
     import numpy as np
 
-    from lightning_naspipe.pipeline import host_rng
+    from lightning_naspipe.pipeline.sampling import host_rng
 
     assert isinstance(random._inst, _random.Random), "random._inst is no longer the module's generator"
     assert host_rng._RAW_PYTHON_STATE, "CPython's Random no longer keeps its state where host_rng copies it from"

@@ -16,7 +16,7 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.replicas import ReplicaUpdates, ordered_sum
+from lightning_naspipe.pipeline.exactness.replicas import ReplicaUpdates, ordered_sum
 
 CHUNKS = 4
 
@@ -254,7 +254,7 @@ def test_the_replay_updates_running_statistics_as_the_training_forward_does(make
                                                                             momentum: float | None) -> None:
     """``_replay`` is the forward's own ``F.batch_norm`` call: the same statistics and count, bit for bit (an elastic
     layer's on the leading channels its input has, the others left alone)."""
-    from lightning_naspipe.pipeline.replicas import _replay
+    from lightning_naspipe.pipeline.exactness.replicas import _replay
     from lightning_naspipe.space.choice import active_architecture
 
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from inprocess_grid import train_grid
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from test_engine import FakeModule
 
 SEED = 5

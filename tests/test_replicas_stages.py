@@ -2,7 +2,7 @@
 
 ToyNet (helpers.py) has a trainable stem and head, BatchNorm, dropout and Adam; with ``chunks=4`` each
 replica trains its contiguous share of every batch's micro-batches and the replicas chain their sums in
-micro-batch order (lightning_naspipe/pipeline/replicas.py).
+micro-batch order (lightning_naspipe/pipeline/exactness/replicas.py).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from torch import nn
 
 from lightning_naspipe.pipeline.offload.offload import Offloader, estimated_bytes
 from lightning_naspipe.pipeline.offload.residency import WindowResidency, memory_conflicts
-from lightning_naspipe.pipeline.actions import FORWARD, UPDATE, Action
-from lightning_naspipe.pipeline.schedule import build_schedule
-from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
+from lightning_naspipe.schedule.actions import FORWARD, UPDATE, Action
+from lightning_naspipe.schedule.schedules import build_schedule
+from lightning_naspipe.schedule.rules import check_schedule, replay
 from lightning_naspipe.space.supernet import ResourceState
 
 

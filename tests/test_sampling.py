@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.pipeline.sampling import keyed_rng, mix, uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import keyed_rng, mix, uniform_architecture
 
 
 def test_mix_is_a_stable_function() -> None:

@@ -1,4 +1,4 @@
-"""Tests for the CSP pipeline scheduler (lightning_naspipe.pipeline.schedule)."""
+"""Tests for the CSP pipeline scheduler (lightning_naspipe.schedule.schedules)."""
 
 from collections.abc import Callable, Hashable, Sequence
 from collections.abc import Set as AbstractSet
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
-from lightning_naspipe.pipeline.schedule import build_schedule
-from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.schedule.schedules import build_schedule
+from lightning_naspipe.schedule.rules import check_schedule, replay
 
 Res = list[list[frozenset[Hashable]]]
 _RANK = {UPDATE: 0, BACKWARD: 1, FORWARD: 2}
@@ -154,7 +154,7 @@ def test_norm_exchange_makes_every_update_wait_for_every_stage() -> None:
 
 
 def test_module_docstring_table_is_current() -> None:
-    import lightning_naspipe.pipeline.schedule as mod
+    import lightning_naspipe.schedule.schedules as mod
 
     res: Res = [[frozenset({"a"}), frozenset({"c"})], [frozenset({"b"}), frozenset({"d"})],
                 [frozenset({"a"}), frozenset({"e"})]]

@@ -1,13 +1,13 @@
-"""The rule checks of lightning_naspipe.pipeline.schedule_rules can fail: each names the broken rule."""
+"""The rule checks of lightning_naspipe.schedule.rules can fail: each names the broken rule."""
 
 from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
 
-from lightning_naspipe.pipeline.actions import FORWARD, Action, DeadlockError, Schedule, ScheduleError
-from lightning_naspipe.pipeline.schedule import build_schedule
-from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
+from lightning_naspipe.schedule.actions import FORWARD, Action, DeadlockError, Schedule, ScheduleError
+from lightning_naspipe.schedule.schedules import build_schedule
+from lightning_naspipe.schedule.rules import check_schedule, replay
 from test_schedule import B, F, Res, U, uniform
 
 

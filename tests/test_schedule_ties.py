@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.pipeline.actions import Ties, with_ties
-from lightning_naspipe.pipeline.actions import ScheduleError
-from lightning_naspipe.pipeline.schedule import build_schedule
-from lightning_naspipe.pipeline.schedule_rules import check_schedule, replay
+from lightning_naspipe.schedule.actions import Ties, with_ties
+from lightning_naspipe.schedule.actions import ScheduleError
+from lightning_naspipe.schedule.schedules import build_schedule
+from lightning_naspipe.schedule.rules import check_schedule, replay
 from test_lookahead import roll
 from test_schedule import B, F, Res, U, _costs
 

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.stage_table import chunks_hint, serialising_blocks, stage_table
+from lightning_naspipe.pipeline.placement.stage_table import chunks_hint, serialising_blocks, stage_table
 from lightning_naspipe.space.supernet import describe
 
 

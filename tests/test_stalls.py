@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_naspipe.planning.stalls import CAUSES, analyse_stage
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 
 F, B, U = Action(FORWARD, 0), Action(BACKWARD, 0), Action(UPDATE, 0)
 # One subnet on two stages, in ticks:  stage 0  F [0, 2)             B [7, 9) U [9, 10)

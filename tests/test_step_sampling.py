@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.step_sampling import covers_every_candidate, parameter_counts, subnet_parameters
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.sampling.step_sampling import (
+    covers_every_candidate, parameter_counts, subnet_parameters,
+)
 
 
 def _space(candidates: int = 3, labels: int = 2) -> lnp.Supernet:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lightning_naspipe as lnp
 from helpers import train
-from lightning_naspipe.pipeline.telemetry import StageTelemetry, write_trace_files
+from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry, write_trace_files
 
 
 def test_busy_wait_and_drain_are_separated() -> None:

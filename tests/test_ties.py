@@ -1,4 +1,5 @@
-"""Weights tied across stages (lightning_naspipe.pipeline.ties): a GPT-style space whose output head shares the token
+"""Weights tied across stages (lightning_naspipe.pipeline.exactness.ties): a GPT-style space whose output head shares
+the token
 embedding's weight trains on 2 and 3 stages bit for bit as on one device (torch.equal: weights, Adam state,
 per-subnet losses), each stage a module copy of its own as stage processes hold (in-process threads,
 tests/inprocess.py); the multi-process run with checkpoints and a resume: tests/test_ties_stages.py."""
@@ -15,10 +16,10 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from inprocess import train_pipelined
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.partition import stage_ranges
-from lightning_naspipe.pipeline.placement import first_blocks, owner_of
-from lightning_naspipe.pipeline.ties import StageTies, ties_of
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.placement.partition import stage_ranges
+from lightning_naspipe.pipeline.placement.moves import first_blocks, owner_of
+from lightning_naspipe.pipeline.exactness.ties import StageTies, ties_of
 from test_engine import FakeModule
 
 VOCAB, WIDTH, LENGTH = 13, 8, 6

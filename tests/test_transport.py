@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_naspipe.transport.boundary import map_tensors, tensors_in
+from lightning_naspipe.space.boundary import map_tensors, tensors_in
 
-from lightning_naspipe.pipeline.actions import Action, Schedule
-from lightning_naspipe.pipeline.schedule import build_schedule
+from lightning_naspipe.schedule.actions import Action, Schedule
+from lightning_naspipe.schedule.schedules import build_schedule
 from lightning_naspipe.transport.shm_links import SharedMemoryLinks
 from lightning_naspipe.transport.p2p import P2PTransport, StageFailure
 from helpers import spawn_gloo_pair

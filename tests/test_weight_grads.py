@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_naspipe.transport.boundary import backward_through, cut, leaf_grads
-from lightning_naspipe.pipeline.weight_grads import DeferralChooser, DeferredWeights, serialised
+from lightning_naspipe.space.boundary import backward_through, cut, leaf_grads
+from lightning_naspipe.pipeline.exactness.weight_grads import DeferralChooser, DeferredWeights, serialised
 
 Block = Callable[[Any], Any]
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.transport.boundary import cut, tensors_in
+from lightning_naspipe.space.boundary import cut, tensors_in
 from lightning_naspipe.transport.wire import ALIGN, DTYPES, FIRST_SIZE, pack, resize_message, resized, unpack
 
 CPU = torch.device("cpu")

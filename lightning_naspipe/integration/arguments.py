@@ -12,8 +12,8 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.schedule import SCHEDULES
-from lightning_naspipe.transport.p2p import TRANSPORTS
+from lightning_naspipe.schedule.schedules import SCHEDULES
+from lightning_naspipe.transport.link import TRANSPORTS
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl", "mpi")

@@ -17,13 +17,13 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from lightning_naspipe.pipeline.clipping import hide_from_validator, restore
+from lightning_naspipe.pipeline.exactness.clipping import hide_from_validator, restore
 from lightning_naspipe.integration.batch_hooks import log_cut_batch
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.integration.loss_log import RESUMED_SUM, epoch_loss_sum, finish_resumed_epoch_sum
 from lightning_naspipe.namespaces import installed, overrides_hook
-from lightning_naspipe.pipeline.optim import step_schedulers
+from lightning_naspipe.pipeline.runtime.optim import step_schedulers
 from lightning_naspipe.space.fingerprint import space_changes, space_fingerprint
 from lightning_naspipe.space.supernet import supernet_of
 
@@ -39,7 +39,7 @@ _AFTER_STEP_ADVICE = ("Using ModelCheckpoint with manual optimization and every_
 _CHECKPOINT_MODULES = r"(lightning\.pytorch|pytorch_lightning)\.callbacks\.model_checkpoint\Z"
 
 if TYPE_CHECKING:
-    from lightning_naspipe.pipeline.engine import Engine
+    from lightning_naspipe.pipeline.runtime.engine import Engine
 
 
 @runtime_checkable

@@ -111,7 +111,8 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
                       batch_start_logs: dict[int, list[Any]] | None = None) -> None:
     """Log subnet ``first_index + k``'s ``losses[k]`` (weighted by ``batch_sizes[k]``) and what its
     ``compute_loss`` logged (``records``: ``(index, name, value, args, kwargs)`` of each ``self.log`` call,
-    see :class:`~lightning_naspipe.pipeline.executor.Window`) as the plain Trainer would have in ``first_index + k``'s
+    see :class:`~lightning_naspipe.pipeline.runtime.executor.Window`) as the plain Trainer would have in ``first_index
+    + k``'s
     own training step, with ``batches[k]`` as the batch; ``None`` losses are skipped. ``batch_starts``: the
     per-batch monitors (:class:`BatchStartPoints`), whose batch-start points come first in a subnet's turn and
     batch-end points before its step metrics. ``batch_start_logs``: what the module's ``on_train_batch_start``

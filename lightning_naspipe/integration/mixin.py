@@ -14,20 +14,20 @@ from torch import Tensor
 
 from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRunner, check_checkpoint_space,
                                                     keep_scheduler_monitors, validate_run)
-from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.executor import loss_context
-from lightning_naspipe.pipeline.window import Window
-from lightning_naspipe.pipeline.microbatch import Batch
+from lightning_naspipe.pipeline.runtime.executor import loss_context
+from lightning_naspipe.pipeline.runtime.window import Window
+from lightning_naspipe.pipeline.runtime.microbatch import Batch
 from lightning_naspipe.integration.batch_hooks import recorded_logs, recording_log
 from lightning_naspipe.integration.loss_log import BatchStartPoints, log_window_losses, refuse_stage_hook_logging
 from lightning_naspipe.namespaces import installed, namespace_of
-from lightning_naspipe.pipeline.sampling import EVAL_DOMAIN, mix, uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import EVAL_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import BlockValue, Supernet, supernet_of
 
 if TYPE_CHECKING:
-    from lightning_naspipe.pipeline.engine import EngineModule
+    from lightning_naspipe.pipeline.runtime.engine import EngineModule
 
 
 class NASPipeMixin:

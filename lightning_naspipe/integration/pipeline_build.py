@@ -13,11 +13,11 @@ from lightning_naspipe.integration.auto_layout import chosen_stages
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.stage_placement import StagePlacement
 from lightning_naspipe.integration.startup import StartupMeasures
-from lightning_naspipe.pipeline.engine import Engine
-from lightning_naspipe.pipeline.microbatch import split_batch
-from lightning_naspipe.pipeline.partition import stage_ranges
+from lightning_naspipe.pipeline.runtime.engine import Engine
+from lightning_naspipe.pipeline.runtime.microbatch import split_batch
+from lightning_naspipe.pipeline.placement.partition import stage_ranges
 from lightning_naspipe.transport.distributed import gather_objects
-from lightning_naspipe.pipeline.telemetry import StageTelemetry
+from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry
 from lightning_naspipe.space.supernet import supernet_of
 from lightning_naspipe.transport.failures import FailureBoard, default_store
 from lightning_naspipe.transport.p2p import P2PTransport

@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_naspipe.integration.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
-from lightning_naspipe.pipeline.layout import Layout
+from lightning_naspipe.pipeline.placement.layout import Layout
 from lightning_naspipe.transport.failures import FailureBoard, explained
 from lightning_naspipe.transport.p2p import StageFailure
 

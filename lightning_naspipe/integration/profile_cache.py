@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_naspipe.integration.checkpoint_io import atomic_write
-from lightning_naspipe.transport.boundary import tensors_in
+from lightning_naspipe.space.boundary import tensors_in
 
 __all__ = ["ENV", "FORMAT", "cache_dir", "device_name", "load", "measurement_key", "store", "structure_digest"]
 

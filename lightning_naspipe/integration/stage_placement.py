@@ -19,10 +19,10 @@ from typing_extensions import override
 from lightning_naspipe.integration.binding import NamespaceBinding
 from lightning_naspipe.transport.distributed import (drop_foreign_state, gather_objects, gather_optimizer_state,
                                                      sync_stage_weights)
-from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.pipeline.offload.offload import Offloader, estimated_bytes
-from lightning_naspipe.pipeline.partition import shared_buffer_cuts
-from lightning_naspipe.pipeline.placement import first_blocks, move_blocks, place_module, rebalanced
+from lightning_naspipe.pipeline.placement.partition import shared_buffer_cuts
+from lightning_naspipe.pipeline.placement.moves import first_blocks, move_blocks, place_module, rebalanced
 from lightning_naspipe.integration.processes import saving_is_collective
 from lightning_naspipe.space.supernet import supernet_of
 

@@ -1,7 +1,7 @@
 """``NASPipeStrategy``: pipeline-parallel supernet training as a Lightning strategy.
 
 Thin glue: Lightning's loop hands the mixin one *window* per batch (see :mod:`.data`), the
-mixin's ``training_step`` runs it through the strategy's :class:`~lightning_naspipe.pipeline.engine.Engine`
+mixin's ``training_step`` runs it through the strategy's :class:`~lightning_naspipe.pipeline.runtime.engine.Engine`
 on this process's pipeline stage, and the results are bitwise those of a plain one-device ``Trainer``.
 The strategy is built of parts: its processes (:mod:`.processes`), its Lightning namespace
 (:mod:`.binding`) and the blocks each stage owns (:mod:`.stage_placement`); this module adds setup,
@@ -33,17 +33,17 @@ from lightning_naspipe.integration.data import (
 )
 from lightning_naspipe.transport.distributed import drop_foreign_state, gather_objects
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.microbatch import check_batch_sizes
+from lightning_naspipe.pipeline.runtime.microbatch import check_batch_sizes
 from lightning_naspipe.integration.mixin import NASPipeMixin, resolve_chunks
-from lightning_naspipe.pipeline.partition import block_weights
+from lightning_naspipe.pipeline.placement.partition import block_weights
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.processes import lost_process_named
 from lightning_naspipe.integration.progress import count_subnets
 from lightning_naspipe.integration.stepping import count_subnet_steps, stop_counting_subnet_steps
-from lightning_naspipe.pipeline.stage_table import chunks_hint, stage_table
+from lightning_naspipe.pipeline.placement.stage_table import chunks_hint, stage_table
 from lightning_naspipe.space.supernet import supernet_of
 from lightning_naspipe.integration.pipeline_build import PipelineBuilding
-from lightning_naspipe.pipeline.telemetry import write_trace_files
+from lightning_naspipe.pipeline.runtime.telemetry import write_trace_files
 
 
 # Lightning advises self.log(..., sync_dist=True) for epoch-level metrics of a distributed run. Every

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.transport.boundary import cut, grad_targets, tensors_in
+from lightning_naspipe.space.boundary import cut, grad_targets, tensors_in
 from lightning_naspipe.space.choice import active_architecture, choice_counts
 from lightning_naspipe.space.supernet import BlockValue
-from lightning_naspipe.pipeline.optim import module_parameters, restrict_param_groups
+from lightning_naspipe.pipeline.runtime.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.planning.space_spec import candidate_ms
-from lightning_naspipe.pipeline.sampling import keyed_rng
-from lightning_naspipe.pipeline.weight_grads import DeferredWeights
+from lightning_naspipe.pipeline.sampling.keyed import keyed_rng
+from lightning_naspipe.pipeline.exactness.weight_grads import DeferredWeights
 
 __all__ = ["BlockFailure", "PathTimes", "holds_state", "time_paths"]
 

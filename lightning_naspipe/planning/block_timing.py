@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_naspipe.transport.boundary import map_tensors
+from lightning_naspipe.space.boundary import map_tensors
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning.block_cost import BlockFailure, PathTimes, time_paths
 from lightning_naspipe.planning.space_spec import SpaceSpec, block_cost_ms

@@ -1,9 +1,10 @@
-"""How the planner models deferred weight gradients (:mod:`lightning_naspipe.pipeline.weight_grads`).
+"""How the planner models deferred weight gradients (:mod:`lightning_naspipe.pipeline.exactness.weight_grads`).
 
 A stage that defers runs a backward's input-gradient passes, sends the gradient, then runs the weight
 passes: its B costs both passes, and its message leaves after the first. Which stages defer in which
-windows follows the engine's :class:`~lightning_naspipe.pipeline.weight_grads.DeferralChooser` on the modelled
-times: eligible windows are those the engine deems so (:func:`~lightning_naspipe.pipeline.weight_grads.serialised`,
+windows follows the engine's :class:`~lightning_naspipe.pipeline.exactness.weight_grads.DeferralChooser` on the modelled
+times: eligible windows are those the engine deems so
+(:func:`~lightning_naspipe.pipeline.exactness.weight_grads.serialised`,
 ``chunks=1``), and the trials' medians are those of every eligible subnet's time to send.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from lightning_naspipe.planning.space_spec import CandidateSpec, SpaceSpec
-from lightning_naspipe.pipeline.weight_grads import DeferralChooser, serialised
+from lightning_naspipe.pipeline.exactness.weight_grads import DeferralChooser, serialised
 
 __all__ = ["deferring", "passes"]
 

@@ -3,7 +3,7 @@
 A :class:`~.space_spec.SpaceSpec` describes a search space by costs only (per block, per candidate: forward and
 backward milliseconds and whether it holds state), plus the run's overheads. :func:`simulate` samples
 subnets like the mixin's default sampler, splits the blocks into stages, builds each window's CSP
-schedule with the real scheduler (:func:`~lightning_naspipe.pipeline.schedule.build_schedule`), times it with
+schedule with the real scheduler (:func:`~lightning_naspipe.schedule.schedules.build_schedule`), times it with
 those costs, and reports throughput, bubbles, why stages stall and how many subnets are in flight.
 :func:`plan` does it for many stage counts; it reuses the sampler, the stage split and the schedule
 modes of the training code, so predictions cannot drift from what runs. :mod:`.profile` measures a
@@ -17,11 +17,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from lightning_naspipe.pipeline.lookahead import plan_step
-from lightning_naspipe.pipeline.partition import balanced_split
-from lightning_naspipe.pipeline.sampling import uniform_architecture
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
-from lightning_naspipe.pipeline.schedule import SCHEDULES, build_schedule, scheduling_resources
+from lightning_naspipe.schedule.lookahead import plan_step
+from lightning_naspipe.pipeline.placement.partition import balanced_split
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.schedule.schedules import SCHEDULES, build_schedule, scheduling_resources
 from lightning_naspipe.planning.deferral import deferring, passes
 from lightning_naspipe.planning.stalls import CAUSES, SEND, analyse_stage
 from lightning_naspipe.planning.space_spec import SpaceSpec
@@ -122,7 +122,8 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
         defer_weight_grads: as ``NASPipeStrategy(defer_weight_grads=...)``: where a stage defers, a backward
             sends its gradient after the blocks' input-gradient passes and then runs their weight passes
             (the candidates' ``input_backward_ms``/``weight_backward_ms``). ``None`` decides per stage as the
-            engine does (:class:`~lightning_naspipe.pipeline.weight_grads.DeferralChooser`), on the modelled times.
+            engine does (:class:`~lightning_naspipe.pipeline.exactness.weight_grads.DeferralChooser`), on the modelled
+            times.
         replicas: data-parallel replicas of the pipeline (``NASPipeStrategy(num_stages=stages)`` on
             ``stages * replicas`` processes): each runs its ``chunks / replicas`` micro-batches, each costing
             ``1 / chunks`` of the subnet's time, and every update waits for the replicas' chained reduction.

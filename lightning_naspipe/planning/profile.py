@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_naspipe.transport.boundary import map_tensors, tensors_in
-from lightning_naspipe.pipeline.engine import Engine
+from lightning_naspipe.space.boundary import map_tensors, tensors_in
+from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.planning.block_cost import PathTimes, holds_state, time_paths
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.choice import ChoiceBlock, candidates_of
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 

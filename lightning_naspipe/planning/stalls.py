@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 
 __all__ = ["CAUSES", "SEND", "analyse_stage"]
 

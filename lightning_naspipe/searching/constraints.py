@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.step_sampling import frozen_shapes
+from lightning_naspipe.pipeline.sampling.step_sampling import frozen_shapes
 from lightning_naspipe.searching.latency import LatencyTable, batch_size_of
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.sampling import uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Elastic, When
 from lightning_naspipe.space.supernet import BlockValue, Supernet
-from lightning_naspipe.transport.boundary import tensors_in
+from lightning_naspipe.space.boundary import tensors_in
 
 __all__ = ["LatencyReport", "LatencyTable", "batch_size_of", "device_name", "inner_labels", "measure_latency",
            "time_module"]

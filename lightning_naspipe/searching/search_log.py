@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_naspipe.transport.boundary import tensors_in
+from lightning_naspipe.space.boundary import tensors_in
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.searchers import Record
 

@@ -40,7 +40,7 @@ from lightning_naspipe.searching.search_plot import default_x, pareto_front, plo
 from lightning_naspipe.searching.searchers import Record, Searcher, ranking_key
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet, supernet_of
-from lightning_naspipe.transport.boundary import map_tensors
+from lightning_naspipe.space.boundary import map_tensors
 from lightning_naspipe.transport.distributed import broadcast_object, gather_objects
 
 __all__ = ["SearchResult", "search"]

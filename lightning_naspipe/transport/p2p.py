@@ -20,23 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_naspipe.transport import wire as wire_format
-from lightning_naspipe.transport.boundary import Gradients, map_tensors
-from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.space.boundary import Gradients, map_tensors
 from lightning_naspipe.transport.failures import FailureBoard, default_store, explained
-from lightning_naspipe.pipeline.actions import NORMS, Schedule
-from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
+from lightning_naspipe.schedule.actions import NORMS, Schedule
+from lightning_naspipe.transport.connect import open_links
+from lightning_naspipe.transport.link import IdleWork, Link, LinkKind
 from lightning_naspipe.space.supernet import BlockValue, describe
-from lightning_naspipe.transport.torch_links import IdleWork, TorchLinks
 
 #: How messages travel: ``"auto"`` (shared memory where possible), ``"shared_memory"`` or ``"torch"``.
-TRANSPORTS = ("auto", "shared_memory", "torch")
 
 
 #: Where the previous stage's window-end flags wait in the activation link's buffer (no subnet is < 0).
@@ -65,7 +63,7 @@ class P2PTransport:
     """
 
     def __init__(self, stage: int, ranks: Sequence[int], device: torch.device, timeout: timedelta,
-                 links: Literal["auto", "shared_memory", "torch"] = "auto", spin_s: float = 0.0,
+                 links: LinkKind = "auto", spin_s: float = 0.0,
                  group: Any = None, names: Sequence[str] | None = None) -> None:
         self.stage = stage
         self.ranks = list(ranks)
@@ -92,19 +90,8 @@ class P2PTransport:
         nccl = dist.get_backend() == "nccl"
         # Where messages arrive: NCCL moves only device tensors, gloo only host ones.
         self._wire = device if nccl else torch.device("cpu")
-        if links not in TRANSPORTS:
-            raise ValueError(f"unknown links {links!r}; choose one of {TRANSPORTS}")
-        shareable = not nccl and same_host(dist.get_world_size())  # collective: every stage asks
-        if links == "shared_memory" and not shareable:
-            raise NASPipeConfigError(
-                "NASPipeStrategy(transport='shared_memory') needs every stage process on one host (Linux, with "
-                "/dev/shm) and a backend other than NCCL, which moves device tensors itself; use transport='auto'.")
-        self.links: TorchLinks | SharedMemoryLinks
-        if links != "torch" and shareable:
-            self.links = SharedMemoryLinks.connect(stage, self.ranks, timeout, self._waited, self._lost, spin_s,
-                                                   group)
-        else:
-            self.links = TorchLinks(self.ranks, self._wire, timeout, self._waited, self._lost)
+        self.links: Link = open_links(stage, self.ranks, device, timeout, self._waited, self._lost, links=links,
+                                      spin_s=spin_s, group=group)
 
     @property
     def idle(self) -> IdleWork | None:

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_naspipe.transport.failures import FailureBoard, explained
-from lightning_naspipe.transport.p2p import TRANSPORTS, StageFailure
-from lightning_naspipe.transport.shm_links import SharedMemoryLinks, same_host
-from lightning_naspipe.transport.torch_links import TorchLinks
+from lightning_naspipe.transport.connect import open_links
+from lightning_naspipe.transport.link import Link
+from lightning_naspipe.transport.p2p import StageFailure
 
 __all__ = ["ReplicaLinks", "layout_groups"]
 
@@ -64,16 +64,8 @@ class ReplicaLinks:
         self.ranks = list(ranks)
         self.names = list(names)
         self._wait_s = 0.0
-        if links not in TRANSPORTS:
-            raise ValueError(f"unknown links {links!r}; choose one of {TRANSPORTS}")
-        nccl = dist.get_backend() == "nccl"
-        self.links: SharedMemoryLinks | TorchLinks
-        if links != "torch" and not nccl and same_host(dist.get_world_size()):  # collective: every rank asks
-            self.links = SharedMemoryLinks.connect(replica, self.ranks, timeout, self._waited, self._lost, spin_s,
-                                                   group)
-        else:
-            self.links = TorchLinks(self.ranks, device if nccl else torch.device("cpu"), timeout, self._waited,
-                                    self._lost)
+        self.links: Link = open_links(replica, self.ranks, device, timeout, self._waited, self._lost, links=links,
+                                      spin_s=spin_s, group=group)
 
     @property
     def replica(self) -> int:

@@ -37,7 +37,7 @@ from torch import Tensor
 from lightning_naspipe.space.supernet import BlockValue
 from lightning_naspipe.transport import wire as wire_format
 from lightning_naspipe.transport.distributed import broadcast_object
-from lightning_naspipe.transport.torch_links import IdleWork, LostHandler, WaitHandler
+from lightning_naspipe.transport.link import IdleWork, LostHandler, WaitHandler
 
 try:
     import fcntl

@@ -10,7 +10,7 @@ asynchronous and awaited by :meth:`TorchLinks.flush`; a receive is posted ahead 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -20,14 +20,7 @@ from torch import Tensor
 
 from lightning_naspipe.space.supernet import BlockValue
 from lightning_naspipe.transport import wire as wire_format
-
-#: ``lost(stage, error)``: the error to raise when neighbour ``stage`` stopped (``None``: a send failed).
-LostHandler = Callable[[int | None, BaseException], BaseException]
-#: ``waited(seconds, end)``: a receive blocked for ``seconds`` until ``end`` (``perf_counter``).
-WaitHandler = Callable[[float, float], None]
-#: ``idle()``: work a receive may do while its message is not there yet; returns ``False`` when it did
-#: none (then the receive waits). Its time is not counted as waiting.
-IdleWork = Callable[[], bool]
+from lightning_naspipe.transport.link import IdleWork, LostHandler, WaitHandler
 
 
 class TorchLinks:

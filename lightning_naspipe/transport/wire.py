@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lightning_naspipe.transport.boundary import CHANNELS_LAST, flat_tensors, laid_out, layout_of
+from lightning_naspipe.space.boundary import CHANNELS_LAST, flat_tensors, laid_out, layout_of
 from lightning_naspipe.space.supernet import BlockValue
 
 DTYPES = [

@@ -15,7 +15,7 @@ from typing import Protocol
 from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.sampling import SAMPLER_DOMAIN, mix, uniform_architecture
+from lightning_naspipe.pipeline.sampling.keyed import SAMPLER_DOMAIN, mix, uniform_architecture
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet
 

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule, with_ties
-from lightning_naspipe.pipeline.lookahead import plan_step
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule, with_ties
+from lightning_naspipe.schedule.lookahead import plan_step
 from lightning_naspipe.pipeline.offload.residency import memory_conflicts
-from lightning_naspipe.pipeline.schedule import build_schedule, scheduling_resources
-from lightning_naspipe.pipeline.ties import ties_of
-from lightning_naspipe.pipeline.window import Window
+from lightning_naspipe.schedule.schedules import build_schedule, scheduling_resources
+from lightning_naspipe.pipeline.exactness.ties import ties_of
+from lightning_naspipe.pipeline.runtime.window import Window
 from lightning_naspipe.space.supernet import Resource, Supernet
 
 __all__ = ["WindowPlan", "plan_window"]

@@ -18,22 +18,22 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from lightning_naspipe.transport.boundary import Gradients, backward_through, cut, device_of, leaf_grads
+from lightning_naspipe.space.boundary import Gradients, backward_through, cut, device_of, leaf_grads
 from lightning_naspipe.transport.failures import FailureBoard
-from lightning_naspipe.transport.torch_links import IdleWork
+from lightning_naspipe.transport.link import IdleWork
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.microbatch import Batch
-from lightning_naspipe.pipeline.sampling import keyed_rng
-from lightning_naspipe.pipeline.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
-from lightning_naspipe.pipeline.distillation import Teachers, wants_teacher
-from lightning_naspipe.pipeline.loss_state import outside_state
-from lightning_naspipe.pipeline.replicas import ReplicaUpdates
+from lightning_naspipe.pipeline.runtime.microbatch import Batch
+from lightning_naspipe.pipeline.sampling.keyed import keyed_rng
+from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
+from lightning_naspipe.pipeline.exactness.distillation import Teachers, wants_teacher
+from lightning_naspipe.pipeline.exactness.loss_state import outside_state
+from lightning_naspipe.pipeline.exactness.replicas import ReplicaUpdates
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import BlockValue, Supernet, describe
-from lightning_naspipe.pipeline.telemetry import StageTelemetry
-from lightning_naspipe.pipeline.ties import TieRoutes
-from lightning_naspipe.pipeline.weight_grads import DeferredWeights
-from lightning_naspipe.pipeline.window import Window
+from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry
+from lightning_naspipe.pipeline.exactness.ties import TieRoutes
+from lightning_naspipe.pipeline.exactness.weight_grads import DeferredWeights
+from lightning_naspipe.pipeline.runtime.window import Window
 
 
 _T = TypeVar("_T")

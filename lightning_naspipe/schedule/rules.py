@@ -8,7 +8,7 @@ and finds deadlocks and messages no stage receives.
 from collections import Counter, deque
 from collections.abc import Hashable
 
-from lightning_naspipe.pipeline.actions import (
+from lightning_naspipe.schedule.actions import (
     BACKWARD,
     FORWARD,
     NORMS,

@@ -31,9 +31,9 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from lightning_naspipe.pipeline.actions import CostFn
-from lightning_naspipe.pipeline.actions import FORWARD, Action, Schedule
-from lightning_naspipe.pipeline.schedule import build_schedule
+from lightning_naspipe.schedule.actions import CostFn
+from lightning_naspipe.schedule.actions import FORWARD, Action, Schedule
+from lightning_naspipe.schedule.schedules import build_schedule
 
 __all__ = ["StepPlan", "plan_step"]
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from lightning_naspipe.transport.boundary import backward_through, grad_targets, laid_out, leaf_grads
+from lightning_naspipe.space.boundary import backward_through, grad_targets, laid_out, leaf_grads
 
 
 @dataclass

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.placement import first_blocks, owner_of
+from lightning_naspipe.pipeline.placement.moves import first_blocks, owner_of
 from lightning_naspipe.space.supernet import BlockValue, Resource, Supernet
 
 __all__ = ["Shared", "StageTies", "TieRoutes", "ties_of"]

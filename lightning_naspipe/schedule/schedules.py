@@ -43,7 +43,7 @@ from collections.abc import Callable, Hashable, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 
-from lightning_naspipe.pipeline.actions import (
+from lightning_naspipe.schedule.actions import (
     BACKWARD,
     FORWARD,
     UPDATE,

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from lightning_naspipe.pipeline.host_rng import restore_host_generators, seed_host_generators
+from lightning_naspipe.pipeline.sampling.host_rng import restore_host_generators, seed_host_generators
 
 _MASK64 = (1 << 64) - 1
 # Domain tags keep the streams for sampling and for dropout independent of each other.

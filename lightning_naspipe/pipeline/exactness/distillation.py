@@ -16,9 +16,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from lightning_naspipe.pipeline.replicas import ReplicaGroup
+from lightning_naspipe.pipeline.exactness.replicas import ReplicaGroup
 from lightning_naspipe.space.supernet import BlockValue
-from lightning_naspipe.transport.boundary import map_tensors
+from lightning_naspipe.space.boundary import map_tensors
 
 __all__ = ["Teachers", "wants_teacher"]
 

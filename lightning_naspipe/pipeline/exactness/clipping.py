@@ -38,9 +38,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.grad_norm import NormExchange, StageNorms, local_norms
+from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange, StageNorms, local_norms
 from lightning_naspipe.namespaces import namespace_of
-from lightning_naspipe.pipeline.optim import flat_positions
+from lightning_naspipe.pipeline.runtime.optim import flat_positions
 
 __all__ = ["UpdateClipping", "clips", "clips_by_norm", "hide_from_validator", "install", "restore"]
 

@@ -20,26 +20,26 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_naspipe.pipeline.clipping import UpdateClipping, clips, clips_by_norm
-from lightning_naspipe.pipeline.distillation import Teachers, wants_teacher
-from lightning_naspipe.pipeline.executor import StageExecutor, StageModule, Transport
-from lightning_naspipe.pipeline.window import Window
-from lightning_naspipe.pipeline.window_plan import WindowPlan, plan_window
-from lightning_naspipe.pipeline.grad_norm import NormExchange
-from lightning_naspipe.pipeline.layout import Layout
+from lightning_naspipe.pipeline.exactness.clipping import UpdateClipping, clips, clips_by_norm
+from lightning_naspipe.pipeline.exactness.distillation import Teachers, wants_teacher
+from lightning_naspipe.pipeline.runtime.executor import StageExecutor, StageModule, Transport
+from lightning_naspipe.pipeline.runtime.window import Window
+from lightning_naspipe.pipeline.runtime.window_plan import WindowPlan, plan_window
+from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange
+from lightning_naspipe.pipeline.placement.layout import Layout
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.microbatch import Batch, split_batch
-from lightning_naspipe.pipeline.optim import resource_parameters, restrict_param_groups, step_schedulers
-from lightning_naspipe.pipeline.replicas import ReplicaGroup, ReplicaUpdates, ordered_sum
+from lightning_naspipe.pipeline.runtime.microbatch import Batch, split_batch
+from lightning_naspipe.pipeline.runtime.optim import resource_parameters, restrict_param_groups, step_schedulers
+from lightning_naspipe.pipeline.exactness.replicas import ReplicaGroup, ReplicaUpdates, ordered_sum
 from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.offload.residency import WindowResidency
-from lightning_naspipe.pipeline.actions import FORWARD, Action
-from lightning_naspipe.pipeline.schedule import SCHEDULES
+from lightning_naspipe.schedule.actions import FORWARD, Action
+from lightning_naspipe.schedule.schedules import SCHEDULES
 from lightning_naspipe.space.supernet import BlockValue, Resource
-from lightning_naspipe.pipeline.telemetry import StageTelemetry
-from lightning_naspipe.pipeline.ties import TieRoutes, ties_of
-from lightning_naspipe.pipeline.weight_grads import DeferralChooser, serialised
+from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry
+from lightning_naspipe.pipeline.exactness.ties import TieRoutes, ties_of
+from lightning_naspipe.pipeline.exactness.weight_grads import DeferralChooser, serialised
 
 
 class BoundarySignals(Protocol):

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_naspipe.pipeline.microbatch import Batch
+from lightning_naspipe.pipeline.runtime.microbatch import Batch
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import BlockValue
 
