@@ -85,7 +85,7 @@ class SigtermAgreement:
         return True
 
     def flags(self) -> tuple[int, int]:
-        """This stage's signals so far, for the agreement at a window's end (:class:`.engine.BoundarySignals`)."""
+        """This stage's signals so far, for the agreement at a window's end (:class:`.window_end.BoundarySignals`)."""
         return int(self.requested), int(self.requeue_requested)
 
     def agreed(self, flags: Sequence[int]) -> None:

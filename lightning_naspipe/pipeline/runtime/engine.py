@@ -23,14 +23,16 @@ from torch import nn
 from lightning_naspipe.pipeline.exactness.clipping import UpdateClipping, clips, clips_by_norm
 from lightning_naspipe.pipeline.exactness.distillation import Teachers, wants_teacher
 from lightning_naspipe.pipeline.runtime.executor import StageExecutor, StageModule, Transport
+from lightning_naspipe.pipeline.runtime.stage_run import StageRun
 from lightning_naspipe.pipeline.runtime.window import Window
+from lightning_naspipe.pipeline.runtime.window_end import BoundarySignals, agree_window_end, sum_losses
 from lightning_naspipe.pipeline.runtime.window_plan import WindowPlan, plan_window
 from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange
 from lightning_naspipe.pipeline.placement.layout import Layout
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.runtime.microbatch import Batch, split_batch
 from lightning_naspipe.pipeline.runtime.optim import resource_parameters, restrict_param_groups, step_schedulers
-from lightning_naspipe.pipeline.exactness.replicas import ReplicaGroup, ReplicaUpdates, ordered_sum
+from lightning_naspipe.pipeline.exactness.replicas import ReplicaGroup, ReplicaUpdates
 from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.offload.residency import WindowResidency
@@ -38,20 +40,8 @@ from lightning_naspipe.schedule.actions import FORWARD, Action
 from lightning_naspipe.schedule.schedules import SCHEDULES
 from lightning_naspipe.space.supernet import BlockValue, Resource
 from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry
-from lightning_naspipe.pipeline.exactness.ties import TieRoutes, ties_of
+from lightning_naspipe.pipeline.exactness.ties import ties_of
 from lightning_naspipe.pipeline.exactness.weight_grads import DeferralChooser, serialised
-
-
-class BoundarySignals(Protocol):
-    """Flags the stages agree on at each window's end, with the losses (see :mod:`.preemption`)."""
-
-    def flags(self) -> Sequence[int]:
-        """This stage's flags; every stage gives as many."""
-        ...
-
-    def agreed(self, flags: Sequence[int]) -> None:
-        """Each flag set (1) if any stage set it."""
-        ...
 
 
 class EngineModule(StageModule, Protocol):
@@ -149,6 +139,7 @@ class Engine:
         self.chunk_share = range(0)
         self._replica_updates: ReplicaUpdates | None = None
         self._teachers = Teachers(replicas)
+        self._stage_executor: StageExecutor | None = None
 
     def chunk_share_of(self, subnets: int) -> range:
         """The micro-batches of a training step of ``subnets`` subnets that this replica trains
@@ -243,21 +234,9 @@ class Engine:
         """Run this stage's row of ``plan``: forwards, backwards and per-subnet updates."""
         window, resources = plan.window, [r[self.stage] for r in plan.resources]
         self.changed.update(*resources)
-        actions = plan.actions(self.stage)
         eligible = self.chunks == 1 and serialised(plan.resources, plan.size, self.stage)
-        defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
-        ties = ties_of(module.supernet, self.stage_blocks)
-        routes = ties.routes(self.stage, plan.resources) if ties is not None else None
-        updates = self._updates(module)
-        if updates is not None:
-            updates.params.update({window.first_index + k: self._update_params(module, resources[k])
-                                   for k in range(len(window.architectures))})
-        executor = self._executor(module, self.telemetry, defer, routes, updates)
-        self.windows_deferred += defer
-        residency = None
-        if self.offloader is not None:
-            order = [a.subnet for a in actions if a.kind == FORWARD and a.chunk == 0]
-            residency = WindowResidency(self.offloader, order, resources)
+        stage_run = self._stage_run(module, plan, resources, eligible)
+        residency = stage_run.residency
 
         def update(k: int) -> None:
             self.update(module, window.first_index + k, resources[k])
@@ -269,69 +248,61 @@ class Engine:
         self._clipping = self._update_clipping(module, plan.schedule.norms)
         if self.transport is not None:
             self.transport.begin_window(plan.run_schedule(), window.first_index)
+        executor = self._executor(module)
         start, waited = time.perf_counter(), self._wait_s()
-        executor.run(actions, window, update, residency.before_forward if residency else None)
+        executor.run(plan.actions(self.stage), window, update, stage_run)
         self.busy_s += time.perf_counter() - start - (self._wait_s() - waited)
         if eligible:
-            self.deferral.record(defer, executor.seconds_to_send)
+            self.deferral.record(stage_run.defer_weight_grads, executor.seconds_to_send)
         if residency is not None:
             residency.finish()
-        own = Window(window.first_index, window.architectures[:plan.size], window.pieces[:plan.size],
-                     steps=window.steps[:plan.size])
-        own.records = self._window_losses(window, plan.size)
-        own.losses = window.losses[:plan.size]
-        if plan.size < len(window.architectures):
-            following = Window(window.first_index + plan.size, window.architectures[plan.size:],
-                               window.pieces[plan.size:], steps=window.steps[plan.size:])
-            self._ahead = (following, plan.carried)
-            self.forwards_ahead += sum(s == self.stage for s, _ in plan.carried)
-        if self.transport is not None or self.replicas is not None:
-            agreed = list(self.signals.flags()) if self.signals is not None else []
-            if self.transport is not None:
-                self.transport.end_window()
-                losses, agreed, own.records = self.transport.share_window_end(own.losses, agreed, own.records)
-                own.losses = list(losses)
-            if self.replicas is not None:  # the columns agree too: a flag set in any of them
-                self.replicas.flush()
-                agreed = [max(flags) for flags in zip(*self.replicas.gather(agreed))]
-            if self.signals is not None:
-                self.signals.agreed(agreed)
+        own = self._own_part(window, plan)
+        agree_window_end(own, self.transport, self.replicas, self.signals)
         if self.telemetry is not None:
             self.telemetry.end_window()
         return own
 
-    def _window_losses(self, window: Window, size: int) -> list[Any]:
-        """On the last stage, fill ``window.losses`` of its first ``size`` subnets from every replica's
-        micro-batch losses, summed in micro-batch order; return the records of what their ``compute_loss``
-        logged, each subnet's in micro-batch order."""
-        if self.stage != len(self.stage_blocks) - 1:
-            return window.records
-        chunk_losses, records = window.chunk_losses, window.records
-        if self.replicas is not None:
-            share = self.chunk_share
-            parts = self.replicas.gather(([losses[share.start:share.stop] for losses in chunk_losses[:size]],
-                                          [r for r in records if r[0] < window.first_index + size]))
-            chunk_losses = [[loss for losses, _ in parts for loss in losses[k]] for k in range(size)]
-            records = [r for _, kept in parts for r in kept]  # replica order is micro-batch order
-        window.losses[:size] = [ordered_sum(losses) for losses in chunk_losses[:size]]
-        for k in range(size):  # several subnets per step: each one's loss too, logged in the step's turn
-            pieces, count = len(window.pieces[k]), len(window.steps[k])
-            if count > 1 and window.losses[k] is not None:
-                records += [(window.first_index + k, f"train_loss_subnet{j}",
-                             ordered_sum(chunk_losses[k][j * pieces:(j + 1) * pieces]), (), {})
-                            for j in range(count)]
-        return records
+    def _stage_run(self, module: EngineModule, plan: WindowPlan, resources: Sequence[frozenset[Resource]],
+                   eligible: bool) -> StageRun:
+        """This window's optional collaborators on this stage."""
+        defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
+        self.windows_deferred += defer
+        ties = ties_of(module.supernet, self.stage_blocks)
+        updates = self._updates(module)
+        if updates is not None:
+            first = plan.window.first_index
+            updates.params.update({first + k: self._update_params(module, resources[k])
+                                   for k in range(len(plan.window.architectures))})
+        residency = None
+        if self.offloader is not None:
+            order = [a.subnet for a in plan.actions(self.stage) if a.kind == FORWARD and a.chunk == 0]
+            residency = WindowResidency(self.offloader, order, resources)
+        return StageRun(chunk_offset=self.chunk_share.start,
+                        ties=ties.routes(self.stage, plan.resources) if ties is not None else None,
+                        replicas=updates, telemetry=self.telemetry, defer_weight_grads=defer, residency=residency)
+
+    def _own_part(self, window: Window, plan: WindowPlan) -> Window:
+        """The part of ``window`` this window trained, with its losses; the rest (forwards run ahead for the
+        next window) is kept for the next :meth:`train_window`."""
+        last = self.stage == len(self.stage_blocks) - 1
+        records = sum_losses(window, plan.size, self.chunk_share, self.replicas) if last else window.records
+        own, following = window.split(plan.size)
+        own.records = records
+        if following is not None:
+            self._ahead = (following, plan.carried)
+            self.forwards_ahead += sum(s == self.stage for s, _ in plan.carried)
+        return own
 
     def evaluate(self, module: EngineModule, batch: Batch, architecture: dict[str, int]) -> BlockValue:
         """Subnet ``architecture``'s output for ``batch`` (no backward), on every stage."""
         architecture = module.supernet.validate(architecture)
         ties = ties_of(module.supernet, self.stage_blocks)
-        executor = self._executor(module, None, ties=ties.routes(self.stage, None) if ties else None)
+        stage_run = StageRun(ties=ties.routes(self.stage, None) if ties else None)
         keys = module.supernet.resources(self.blocks, architecture)
         if self.offloader is not None:
             self.offloader.acquire(keys)
         try:
-            output = executor.forward_only(batch, architecture)
+            output = self._executor(module).forward_only(batch, architecture, stage_run)
         finally:  # an error must not leave the resources counted as in use
             if self.offloader is not None:
                 self.offloader.release(keys)
@@ -366,11 +337,16 @@ class Engine:
             return self.transport.failures
         return self.replicas.failures if self.replicas is not None else None
 
-    def _executor(self, module: EngineModule, telemetry: StageTelemetry | None, defer_weight_grads: bool = False,
-                  ties: TieRoutes | None = None, updates: ReplicaUpdates | None = None) -> StageExecutor:
-        return StageExecutor(module, self.stage, len(self.stage_blocks), self.blocks, module.naspipe_seed,
-                             self.transport, telemetry, self._stash, defer_weight_grads, ties,
-                             self.chunk_share.start, updates, self._teachers)
+    def _executor(self, module: EngineModule) -> StageExecutor:
+        """The stage executor, built again only when the module, this stage's blocks or the transport changed
+        (a layout switch, moved blocks)."""
+        executor = self._stage_executor
+        if (executor is None or executor.module is not module or executor.blocks != self.blocks
+                or executor.transport is not self.transport or executor.seed != module.naspipe_seed):
+            executor = self._stage_executor = StageExecutor(
+                module=module, stage=self.stage, num_stages=len(self.stage_blocks), blocks=self.blocks,
+                seed=module.naspipe_seed, transport=self.transport, stash=self._stash, teachers=self._teachers)
+        return executor
 
     def _updates(self, module: EngineModule) -> ReplicaUpdates | None:
         if self.replicas is not None and self._replica_updates is None:

@@ -27,12 +27,11 @@ from lightning_naspipe.pipeline.sampling.keyed import keyed_rng
 from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.pipeline.exactness.distillation import Teachers, wants_teacher
 from lightning_naspipe.pipeline.exactness.loss_state import outside_state
-from lightning_naspipe.pipeline.exactness.replicas import ReplicaUpdates
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import BlockValue, Supernet, describe
-from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry
 from lightning_naspipe.pipeline.exactness.ties import TieRoutes
 from lightning_naspipe.pipeline.exactness.weight_grads import DeferredWeights
+from lightning_naspipe.pipeline.runtime.stage_run import StageRun
 from lightning_naspipe.pipeline.runtime.window import Window
 
 
@@ -42,6 +41,9 @@ _T = TypeVar("_T")
 EVALUATION_INDEX = -1
 #: The block position in the key of ``compute_loss``'s randomness (blocks are 0, 1, ...).
 LOSS_KEY = -1
+
+#: Entered where a collaborator is absent (no replicas): one object, no allocation per micro-batch.
+_NOTHING = contextlib.nullcontext()
 
 _LOSS_CONTEXT: ContextVar[tuple[int, list[Any]] | None] = ContextVar("naspipe_loss_context", default=None)
 
@@ -131,7 +133,8 @@ class StageModule(Protocol):
 
 
 class StageExecutor:
-    """Executes one stage's share of a window.
+    """Executes one stage's share of each window; the engine builds it once (again only when the stage's
+    blocks or transport change) and gives each run its :class:`.StageRun`.
 
     Args:
         module: the user's LightningModule (with the mixin).
@@ -140,36 +143,14 @@ class StageExecutor:
         blocks: the global indices of the supernet blocks this stage runs.
         seed: the run's seed, keying each block's randomness.
         transport: how tensors reach neighbouring stages; unused with one stage.
-        telemetry: records the actions' timeline, if given.
-        stash: where forwards keep what their backward needs, by global ``(subnet, chunk)``; pass the
-            same one to the next window's executor when forwards run ahead (see :mod:`.lookahead`).
-        defer_weight_grads: send a backward's input gradients before computing its weight gradients
-            (see :mod:`.weight_grads`); ignored on the first stage, which sends none.
-        ties: how this stage moves the values and gradients of parameters tied across stages (:mod:`.ties`);
-            ``None`` when no parameter spans stages.
-        chunk_offset: the first micro-batch this replica trains (:meth:`.Layout.chunk_share`): action chunk
-            ``c`` is micro-batch ``chunk_offset + c`` of the subnet's batch.
-        replicas: with several replicas per stage, this replica's part of their exact reduction.
-        teachers: where the last stage keeps each step's teacher outputs (in-place distillation); pass the same
-            one to the next window's executor, as ``stash``.
+        stash: where forwards keep what their backward needs, by global ``(subnet, chunk)``; it outlives a
+            window when forwards run ahead (see :mod:`.lookahead`).
+        teachers: where the last stage keeps each step's teacher outputs (in-place distillation).
     """
 
-    def __init__(
-        self,
-        module: StageModule,
-        stage: int,
-        num_stages: int,
-        blocks: range,
-        seed: int,
-        transport: Transport | None = None,
-        telemetry: StageTelemetry | None = None,
-        stash: dict[tuple[int, int], list[tuple[Any, Any]]] | None = None,
-        defer_weight_grads: bool = False,
-        ties: TieRoutes | None = None,
-        chunk_offset: int = 0,
-        replicas: ReplicaUpdates | None = None,
-        teachers: Teachers | None = None,
-    ) -> None:
+    def __init__(self, *, module: StageModule, stage: int, num_stages: int, blocks: range, seed: int,
+                 transport: Transport | None = None, stash: dict[tuple[int, int], list[tuple[Any, Any]]] | None = None,
+                 teachers: Teachers | None = None) -> None:
         if num_stages > 1 and transport is None:
             raise ValueError("a multi-stage executor needs a transport")
         self.module = module
@@ -177,32 +158,30 @@ class StageExecutor:
         self.blocks = blocks
         self.seed = seed
         self.transport = transport
-        self.telemetry = telemetry
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         # (global subnet, chunk) -> per block (input, output); the last block's output is replaced by
         # the weighted loss on the last stage. Kept for backward.
         self._stash = {} if stash is None else stash
-        self.defer_weight_grads = defer_weight_grads and not self.is_first
-        self.ties = ties
-        self.chunk_offset = chunk_offset
-        self.replicas = replicas
         self._teachers = Teachers() if teachers is None else teachers
         self._teacher_parameter: bool | None = None
-        #: Per backward, seconds from having its output gradients to sending its input gradients.
+        self._run = StageRun()
+        #: Per backward of the last run, seconds from having its output gradients to sending its input gradients.
         self.seconds_to_send: list[float] = []
 
     def run(self, actions: Sequence[Action], window: Window, update: Callable[[int], None],
-            first_forward: Callable[[int], None] | None = None) -> None:
-        """Run ``actions`` in order; ``update(k)`` steps the optimizer for window subnet ``k``;
-        ``first_forward(k)`` (if given) runs before subnet ``k``'s first forward on this stage."""
+            stage_run: StageRun) -> None:
+        """Run ``actions`` in order with ``stage_run``'s collaborators; ``update(k)`` steps the optimizer for
+        window subnet ``k``."""
+        self._run, self.seconds_to_send = stage_run, []
+        telemetry = stage_run.telemetry
         for action in actions:
-            if self.telemetry is not None:
-                self.telemetry.start_action()
+            if telemetry is not None:
+                telemetry.start_action()
                 start = time.perf_counter()
             if action.kind == FORWARD:
-                if first_forward is not None and action.chunk == 0:
-                    first_forward(action.subnet)
+                if stage_run.residency is not None and action.chunk == 0:
+                    stage_run.residency.before_forward(action.subnet)
                 self._forward(window, action.subnet, action.chunk)
             elif action.kind == BACKWARD:
                 self._backward(window, action.subnet, action.chunk)
@@ -212,26 +191,37 @@ class StageExecutor:
                 self._teachers.drop_from(index, index)
             else:  # pragma: no cover - the scheduler only emits the three kinds
                 raise ValueError(f"unknown action {action}")
-            if self.telemetry is not None:
-                self.telemetry.action(str(action), action.kind, action.subnet, start, time.perf_counter())
+            if telemetry is not None:
+                telemetry.action(str(action), action.kind, action.subnet, start, time.perf_counter())
 
-    def forward_only(self, batch: Batch, architecture: Architecture) -> BlockValue:
+    def forward_only(self, batch: Batch, architecture: Architecture, stage_run: StageRun) -> BlockValue:
         """This stage's part of an evaluation forward; the output on the last stage, else ``None``."""
-        passing: dict[int, Tensor] = {}
-        if self.is_first:
-            x = self.module.pipeline_input(batch)
-        else:
-            assert self.transport is not None
-            x = self.transport.recv_value(self.stage - 1)
-            if self.ties is not None:
-                x, passing = self.ties.take_values(0, x)
+        self._run = stage_run
+        x, passing = self._stage_input(batch, lambda: self._transport.recv_value(self.stage - 1), 0, stage_run.ties)
         for _, x in self._run_blocks(x, architecture, EVALUATION_INDEX, 0):
             pass
         if self.is_last:
             return x
-        assert self.transport is not None
-        self.transport.send_value(self.stage + 1, x if self.ties is None else self.ties.with_values(0, x, passing))
+        self._transport.send_value(self.stage + 1, self._with_tied_values(0, x, passing, stage_run.ties))
         return None
+
+    @property
+    def _transport(self) -> Transport:
+        assert self.transport is not None, "only the first stage has no predecessor, only the last no successor"
+        return self.transport
+
+    def _stage_input(self, piece: Batch, receive: Callable[[], BlockValue], k: int,
+                     ties: TieRoutes | None) -> tuple[Any, dict[int, Tensor]]:
+        """The first block's input (from the data on the first stage, else received) and the tied values that
+        came with it."""
+        if self.is_first:
+            return self.module.pipeline_input(piece), {}
+        x = receive()
+        return ties.take_values(k, x) if ties is not None else (x, {})
+
+    @staticmethod
+    def _with_tied_values(k: int, y: Any, passing: dict[int, Tensor], ties: TieRoutes | None) -> Any:
+        return y if ties is None else ties.with_values(k, y, passing)
 
     def _run_blocks(self, x: Any, architecture: Architecture, index: int, chunk: int) -> Iterator[tuple[Any, Any]]:
         """Each block's ``(input, output)``; a block's input is its predecessor's output, :func:`cut`
@@ -255,12 +245,53 @@ class StageExecutor:
             yield x, y
             x = y
 
+    def _forward(self, window: Window, k: int, c: int) -> None:
+        replicas = self._run.replicas
+        index, m = window.first_index + k, self._run.chunk_offset + c
+        with replicas.forward(index, m) if replicas is not None else _NOTHING:
+            self._forward_chunk(window, k, c)
+
+    def _forward_chunk(self, window: Window, k: int, c: int) -> None:
+        m = self._run.chunk_offset + c
+        architecture, piece, weight, subnet, chunk = window.micro_batch(k, m)
+        index = window.first_index + k
+        ties = self._run.ties if c == 0 else None  # tied values travel with a subnet's first activation
+        x, passing = self._stage_input(piece, lambda: self._transport.recv_activation(index, c), k, ties)
+        saved = list(self._run_blocks(x, architecture, index, m))
+        if self.is_last:  # the last block's output is replaced by the weighted loss, backward's start
+            loss = self._weighted_loss(window, saved[-1][1], piece, weight, k, m, subnet, chunk, device_of(x))
+            saved[-1] = (saved[-1][0], loss)
+        else:
+            self._transport.send_activation(index, c, self._with_tied_values(k, saved[-1][1], passing, ties))
+        self._stash[(index, c)] = saved
+
+    def _weighted_loss(self, window: Window, y: Any, piece: Any, weight: float, k: int, m: int, subnet: int,
+                       chunk: int, device: torch.device) -> Tensor:
+        """Micro-batch ``m``'s ``compute_loss`` of subnet ``k``, weighted by its share of the batch and kept in
+        ``window.chunk_losses``."""
+        index = window.first_index + k
+        token = _LOSS_CONTEXT.set((index, window.records))
+        try:
+            # Keyed like a block: randomness in the loss (torch's, Python's, NumPy's) depends on the subnet and
+            # micro-batch only, not on what this process ran before (other stages' blocks, other replicas').
+            loss = self._loss(window, y, piece, index, m - self._run.chunk_offset, subnet, chunk,
+                              keyed_rng(device, self.seed, index, LOSS_KEY, m))
+        finally:
+            _LOSS_CONTEXT.reset(token)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise TypeError(f"compute_loss must return a scalar tensor, got {describe(loss)}.")
+        if len(window.pieces[k]) > 1:
+            loss = loss * weight
+        window.chunk_losses[k][m] = loss.detach()
+        return loss
+
     def _loss(self, window: Window, y: Any, piece: Any, index: int, c: int, subnet: int, chunk: int,
               keyed: contextlib.AbstractContextManager[None]) -> Any:
         """``compute_loss`` of the last block's output ``y``, inside ``keyed``; in-place distillation's teacher kept
         and passed on (outside it: that may wait for a message)."""
         # On several processes compute_loss runs on the last stage only: what it changes outside the supernet
-        watch = outside_state(self.module) if self.transport is not None or self.replicas is not None else None
+        # would differ from the plain run's module, so it is refused (see loss_state.py).
+        watch = outside_state(self.module) if self.transport is not None or self._run.replicas is not None else None
         before = watch.snapshot() if watch is not None else None
         if not self._wants_teacher():
             with keyed:
@@ -268,7 +299,7 @@ class StageExecutor:
         else:
             k = index - window.first_index  # in-place distillation: the step's first subnet teaches the others
             if len(window.steps[k]) > 1:
-                self._teachers.relay(index, c, len(window.pieces[k]), self.chunk_offset)
+                self._teachers.relay(index, c, len(window.pieces[k]), self._run.chunk_offset)
                 if subnet == 0:
                     self._teachers.keep(index, chunk, y)
             teacher = self._teachers.teacher(index, chunk) if subnet else None
@@ -278,79 +309,31 @@ class StageExecutor:
             watch.refuse_changes(before)
         return loss
 
-    def _forward(self, window: Window, k: int, c: int) -> None:
-        index = window.first_index + k
-        if self.replicas is None:
-            self._forward_chunk(window, k, c)
-            return
-        with self.replicas.forward(index, self.chunk_offset + c):
-            self._forward_chunk(window, k, c)
-
-    def _forward_chunk(self, window: Window, k: int, c: int) -> None:
-        m = self.chunk_offset + c
-        architecture, piece, weight, subnet, chunk = window.micro_batch(k, m)
-        index = window.first_index + k
-        ties = self.ties if c == 0 else None  # tied values travel with a subnet's first activation
-        passing: dict[int, Tensor] = {}
-        if self.is_first:
-            x = self.module.pipeline_input(piece)
-        else:
-            assert self.transport is not None
-            x = self.transport.recv_activation(index, c)
-            if ties is not None:
-                x, passing = ties.take_values(k, x)
-        saved = list(self._run_blocks(x, architecture, index, m))
-        y = saved[-1][1]
-        if self.is_last:
-            token = _LOSS_CONTEXT.set((index, window.records))
-            try:
-                # Keyed like a block: randomness in the loss (torch's, Python's, NumPy's) depends on the subnet and
-                # micro-batch only, not on what this process ran before (other stages' blocks, other replicas').
-                loss = self._loss(window, y, piece, index, c, subnet, chunk, keyed_rng(device_of(x), self.seed,
-                                                                                      index, LOSS_KEY, m))
-            finally:
-                _LOSS_CONTEXT.reset(token)
-            if not isinstance(loss, Tensor) or loss.dim() != 0:
-                raise TypeError(f"compute_loss must return a scalar tensor, got {describe(loss)}.")
-            if len(window.pieces[k]) > 1:
-                loss = loss * weight
-            window.chunk_losses[k][m] = loss.detach()
-            saved[-1] = (saved[-1][0], loss)
-        else:
-            assert self.transport is not None
-            self.transport.send_activation(index, c, y if ties is None else ties.with_values(k, y, passing))
-        self._stash[(index, c)] = saved
-
     def _backward(self, window: Window, k: int, c: int) -> None:
         """Backward block by block, last to first: each block's outputs get the gradients its
-        successor's input leaves collected (see :mod:`.boundary`). With :attr:`defer_weight_grads`,
-        the weight gradients are computed after the input gradients are sent."""
-        if self.replicas is None:
-            self._backward_chunk(window, k, c)
-            return
-        with self.replicas.backward(window.first_index + k, self.chunk_offset + c):
+        successor's input leaves collected (see :mod:`.boundary`). With deferred weight gradients, they are
+        computed after the input gradients are sent."""
+        replicas = self._run.replicas
+        index, m = window.first_index + k, self._run.chunk_offset + c
+        with replicas.backward(index, m) if replicas is not None else _NOTHING:
             self._backward_chunk(window, k, c)
 
     def _backward_chunk(self, window: Window, k: int, c: int) -> None:
         index = window.first_index + k
         saved = self._stash.pop((index, c))
-        deferred = DeferredWeights(self._collect) if self.defer_weight_grads else None
-        blocks = reversed(self.blocks)
-        inputs, outputs = saved.pop()
-        block = next(blocks)
-        architecture = window.micro_batch(k, self.chunk_offset + c)[0]
-        passing: list[Any] = []
+        defer = self._run.defer_weight_grads and not self.is_first
+        deferred = DeferredWeights(self._collect) if defer else None
+        architecture = window.micro_batch(k, self._run.chunk_offset + c)[0]
         contributions: list[Tensor | None] = []  # to parameters tied to an earlier stage's (see ties.py)
+        blocks = reversed(self.blocks)
+        block, (inputs, outputs) = next(blocks), saved.pop()
         if self.is_last:
             start = time.perf_counter()
             # Lightning's precision plugins scale the loss here
             self._capturing(k, block, contributions, lambda: self.module.manual_backward(outputs))
-            grads = leaf_grads(inputs)
+            grads, passing = leaf_grads(inputs), list[Any]()
         else:
-            assert self.transport is not None
-            received = self.transport.recv_gradient(index, c)
-            if self.ties is not None:
-                received, passing = self.ties.take_grads(k, received, self._collect)
+            received, passing = self._output_grads(index, k, c)
             start = time.perf_counter()
             grads = self._capturing(k, block, contributions, lambda: self._block_backward(
                 outputs, received, inputs, architecture, block, deferred))
@@ -359,13 +342,19 @@ class StageExecutor:
             grads = self._capturing(k, block, contributions, lambda: self._block_backward(
                 outputs, grads, inputs, architecture, block, deferred))
         if not self.is_first:
-            assert self.transport is not None
             self.seconds_to_send.append(time.perf_counter() - start)
-            if self.ties is not None:
-                grads = self.ties.with_grads(k, grads, passing, contributions)
-            self.transport.send_gradient(index, c, grads)
+            ties = self._run.ties
+            self._transport.send_gradient(index, c, grads if ties is None else ties.with_grads(
+                k, grads, passing, contributions))
         if deferred is not None:
             deferred.run()
+
+    def _output_grads(self, index: int, k: int, c: int) -> tuple[Gradients, list[Any]]:
+        """The gradients of this stage's output, received from the next stage, and the tied gradients that
+        pass through to an earlier one."""
+        received = self._transport.recv_gradient(index, c)
+        ties = self._run.ties
+        return ties.take_grads(k, received, self._collect) if ties is not None else (received, [])
 
     def _wants_teacher(self) -> bool:
         if self._teacher_parameter is None:
@@ -375,7 +364,8 @@ class StageExecutor:
     def _capturing(self, k: int, block: int, contributions: list[Tensor | None], backward: Callable[[], _T]) -> _T:
         """``backward()`` of ``block``; with a copy of a parameter tied to an earlier stage's in it, that copy's
         ``.grad`` is the block's contribution alone, taken into ``contributions`` (the copy keeps no gradient)."""
-        tensors = self.ties.captured(k, block) if self.ties is not None else []
+        ties = self._run.ties
+        tensors = ties.captured(k, block) if ties is not None else []
         kept = [t.grad for t in tensors]  # None in a stage process; the owner's, when stages share a module
         for t in tensors:
             t.grad = None
@@ -390,8 +380,8 @@ class StageExecutor:
     def _collect(self) -> None:
         """After one accumulation onto ``.grad``: a later replica keeps it as an addend of its own (see
         :meth:`.ReplicaUpdates.collect`)."""
-        if self.replicas is not None:
-            self.replicas.collect()
+        if self._run.replicas is not None:
+            self._run.replicas.collect()
 
     def _block_backward(self, outputs: Any, grads: Sequence[Tensor | None], inputs: Any,
                         architecture: Architecture, block: int,
@@ -402,6 +392,7 @@ class StageExecutor:
         supernet = self.module.supernet
         params: list[Tensor] = [p for r in sorted(supernet.resources((block,), architecture))
                                 for p in supernet.resource_state(r).params]
-        if self.ties is not None:  # a tied copy's contribution is sent before the weight passes: one pass for it
-            params = self.ties.ties.owned(self.stage, params)
+        ties = self._run.ties
+        if ties is not None:  # a tied copy's contribution is sent before the weight passes: one pass for it
+            params = ties.ties.owned(self.stage, params)
         return deferred.backward(outputs, grads, inputs, params)

@@ -55,3 +55,13 @@ class Window:
         j, c = divmod(m, pieces)
         piece, weight = self.pieces[k][c]
         return self.steps[k][j], piece, weight, j, c
+
+    def split(self, size: int) -> tuple[Window, Window | None]:
+        """The first ``size`` subnets (with this window's losses and records) and the rest (``None`` when
+        there is none): a window run with the next one's forwards ahead trains only its own part."""
+        own = Window(self.first_index, self.architectures[:size], self.pieces[:size], steps=self.steps[:size])
+        own.losses, own.records = self.losses[:size], self.records
+        if size == len(self.architectures):
+            return own, None
+        rest = Window(self.first_index + size, self.architectures[size:], self.pieces[size:], steps=self.steps[size:])
+        return own, rest
