@@ -87,6 +87,7 @@ def test_finders_are_refused_under_the_strategy_before_training(finder: str) -> 
     assert trainer.global_step == 0 and not list(Path.cwd().glob(".lr_find_*.ckpt"))
 
 
+@pytest.mark.multiprocess  # stage processes in a module of another kind
 @pytest.mark.slow
 @pytest.mark.parametrize("finder", ["BatchSizeFinder"])  # lr_find is refused by the same check (in process above)
 def test_every_stage_refuses_a_finder_promptly(tmp_path: Path, finder: str) -> None:
