@@ -323,6 +323,7 @@ def _two_process_worker(rank: int, init_method: str, results: dict, seeds: tuple
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess  # stage processes in a module of another kind
 @pytest.mark.slow
 def test_random_spaces_on_two_stage_processes_equal_one_stage() -> None:
     from helpers import spawn_gloo_pair

@@ -127,6 +127,7 @@ def test_epoch_end_readers_are_any_callback_or_module_hook_but_lightnings_weight
     assert reads_weights_at_epoch_end(trainer, module_cls()) is reads
 
 
+@pytest.mark.multiprocess  # stage processes in a module of another kind
 @pytest.mark.slow
 def test_an_epoch_end_sends_only_what_changed_and_only_when_something_reads_it(tmp_path: Path) -> None:
     """Two stages, epochs of 3 windows of a 4 x 12-candidate space: a callback reading the weights at each epoch's

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
+import pytest
 import torch.distributed as dist
 
+from lightning_naspipe.transport import failures
 from lightning_naspipe.transport.failures import FailureBoard
 from lightning_naspipe.transport.p2p import StageFailure
 
@@ -37,11 +37,27 @@ def test_a_posted_error_names_its_stage_rank_type_and_message_for_the_others() -
     assert boards[2].causes(wait_s=0) == []  # a stage does not explain its own error to itself
 
 
-def test_no_post_means_no_cause_after_the_wait_and_an_unreachable_store_is_no_error() -> None:
+class _FakeTime:
+    """The board's clock: sleeping advances it, nothing else does."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_no_post_means_no_cause_after_the_wait_and_an_unreachable_store_is_no_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     board = _boards(dist.HashStore(), [0, 1])[0]
-    start = time.monotonic()
+    clock = _FakeTime()
+    monkeypatch.setattr(failures, "time", clock)
     assert board.causes(wait_s=0.2) == []
-    assert 0.2 <= time.monotonic() - start < 2
+    assert 0.2 <= clock.now - 100.0 < 0.2 + 0.05 + 1e-9  # polled for the whole wait, and no poll more
+    monkeypatch.undo()
     gone = FailureBoard(_UnreachableStore(), 1, ["stage 0 (rank 0)", "stage 1 (rank 1)"])
     gone.post(ValueError("boom"))
     assert gone.causes(wait_s=0) == []

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +86,15 @@ def test_finders_are_refused_under_the_strategy_before_training(finder: str) -> 
     assert trainer.global_step == 0 and not list(Path.cwd().glob(".lr_find_*.ckpt"))
 
 
+@pytest.mark.multiprocess  # stage processes in a module of another kind
 @pytest.mark.slow
 @pytest.mark.parametrize("finder", ["BatchSizeFinder"])  # lr_find is refused by the same check (in process above)
 def test_every_stage_refuses_a_finder_promptly(tmp_path: Path, finder: str) -> None:
-    start = time.monotonic()
+    # finder_run's stage timeout (600 s) outlasts the hang protection (120 s): a stage that waited fails the test.
     proc = subprocess.run([sys.executable, str(SCRIPT), "--finder", finder, "--devices", "2"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert proc.returncode != 0
-    assert time.monotonic() - start < 60
     # Both stage processes (the launcher's child writes to the same stderr) name the finder and the fix, and
     # nothing else failed: no lost connection, no missing checkpoint file.
     assert len(re.findall(f"NASPipeConfigError: {REFUSAL[finder]}", proc.stderr)) == 2, proc.stderr[-3000:]

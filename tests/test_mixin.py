@@ -128,6 +128,7 @@ def test_seed_comes_from_seed_everything_or_the_attribute() -> None:
     assert model.naspipe_seed == 5
 
 
+@pytest.mark.multiprocess  # stage processes in a module of another kind
 @pytest.mark.slow
 def test_another_multi_process_strategy_is_refused_naming_naspipe() -> None:
     # DDP's own advice (find_unused_parameters) would make it train something else silently.

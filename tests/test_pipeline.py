@@ -242,13 +242,13 @@ def _running(pid: int) -> bool:
 @pytest.mark.parametrize("target", ["-2", "1"], ids=["every-stage", "stage-1"])
 def test_sigterm_stops_every_stage_with_a_checkpoint_that_resumes_bitwise(tmp_path: Path, plain: dict,
                                                                           target: str) -> None:
-    start = time.monotonic()
+    # The stages' timeout (600 s) outlasts the hang protection (240 s): a stage that waited for it fails the test.
     out = tmp_path / "run.ckpt"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "3", "--window", "4",
-                           "--kill-stage", target, "--kill-step", "9", "--kill-signal", str(int(signal.SIGTERM)),
+                           "--timeout", "600", "--kill-stage", target, "--kill-step", "9",
+                           "--kill-signal", str(int(signal.SIGTERM)),
                            "--exception-checkpoint", str(tmp_path / "exc")],
                           env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert time.monotonic() - start < 120, "the stages waited for a timeout"
     saved = tmp_path / "exc" / "on_exception.ckpt"
     assert saved.exists(), proc.stderr[-3000:]
     assert not out.exists()  # training stopped early
@@ -264,14 +264,13 @@ def test_sigterm_stops_every_stage_with_a_checkpoint_that_resumes_bitwise(tmp_pa
 
 @pytest.mark.parametrize("signum", [9, 0], ids=["killed", "raised"])
 def test_failed_stage_ends_the_run_naming_it(tmp_path: Path, signum: int) -> None:
-    start = time.monotonic()
+    # The stages' timeout (600 s) outlasts the hang protection (240 s): a stage that waited for it fails the test.
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path / "k.ckpt"), "--devices", "3", "--window", "4",
-         "--kill-stage", "2", "--kill-step", "8", "--kill-signal", str(signum)],
+         "--timeout", "600", "--kill-stage", "2", "--kill-step", "8", "--kill-signal", str(signum)],
         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode != 0
-    assert time.monotonic() - start < 120
     # Rank 0's last words, the error the user sees, name the stage; for an error, its cause too.
     last_words = proc.stderr.strip().splitlines()[-3:]
     assert any("Pipeline stage" in line and "failed or exited" in line for line in last_words), last_words
@@ -285,16 +284,15 @@ def test_failed_stage_ends_the_run_naming_it(tmp_path: Path, signum: int) -> Non
 @pytest.mark.parametrize("stage, signum", [(1, signal.SIGSTOP), (0, signal.SIGKILL)],
                          ids=["stage-1-stopped", "launcher-killed"])
 def test_no_stage_process_outlives_a_failed_run(tmp_path: Path, stage: int, signum: int) -> None:
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "run.ckpt"), "--devices", "2",
                            "--window", "4", "--timeout", "5", "--kill-stage", str(stage), "--kill-step", "9",
                            "--kill-signal", str(int(signum))],
                           env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    # The run ends within timeout + 15 s of the fault (plus start-up and 9 subnets) and leaves no stage
-    # process behind: a stopped one is killed by the launcher at its exit, survivors die with their parent.
-    assert _gone_within(sorted(tmp_path.glob("run.ckpt.pid*")), 5)
-    assert time.monotonic() - start < 5 + 15 + 20, proc.stderr[-2000:]
+    # The run ends (the 5 s timeout detects the stopped stage; subprocess.run's 120 s guards against a hang) and
+    # leaves no stage process behind: a stopped one is killed by the launcher at its exit, survivors die with
+    # their parent.
+    assert _gone_within(sorted(tmp_path.glob("run.ckpt.pid*")), 5), proc.stderr[-2000:]
 
 
 def _free_port() -> str:
@@ -387,10 +385,10 @@ def test_resume_into_another_space_is_refused_on_every_stage(tmp_path: Path) -> 
     _, trainer = train(max_steps=4)
     ckpt = tmp_path / "four.ckpt"
     trainer.save_checkpoint(ckpt)
-    start = time.monotonic()
+    # The stages' timeout (180 s) outlasts the launch's (120 s, which kills both): a stage that waited for the
+    # other never prints its refusal, and the count below is short.
     with pytest.raises(AssertionError) as failed:
         _launch(tmp_path, "--devices", "2", "--resume", str(ckpt), timeout=120, LNP_TEST_EXTRA_CANDIDATE="1")
-    assert time.monotonic() - start < 110  # not the timeout
     assert str(failed.value).count(
         f"NASPipeConfigError: The checkpoint {ckpt} was trained on another search space than {ToyNet.__name__}'s "
         "supernet: choice 'block1' (blocks.1) had candidates [Sequential, Identity, Sequential] in the checkpoint, now "

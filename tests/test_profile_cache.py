@@ -123,6 +123,7 @@ print(structure_digest(lnp.Supernet(Block(), nn.Linear(2, 2))))
 """
 
 
+@pytest.mark.multiprocess  # stage processes in a module of another kind
 @pytest.mark.slow
 def test_the_fingerprint_is_the_same_in_every_process() -> None:
     """String hashing changes per process (a frozenset's order): a rerun must still find its entry."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +71,14 @@ def test_resume_from_two_by_two_onto_other_layouts(tmp_path: Path, plain_chunks4
 
 @pytest.mark.parametrize("signum", [0, 9], ids=["raised", "killed"])
 def test_a_failed_replica_ends_the_run_naming_it(tmp_path: Path, signum: int) -> None:
-    start = time.monotonic()
+    # The processes' timeout (600 s) outlasts the hang protection (240 s): one that waited for it fails the test.
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path / "k.ckpt"), "--devices", "4", "--num-stages", "2",
-         "--chunks", "4", "--window", "4", "--kill-stage", "3", "--kill-step", "8", "--kill-signal", str(signum)],
+         "--chunks", "4", "--window", "4", "--timeout", "600", "--kill-stage", "3", "--kill-step", "8",
+         "--kill-signal", str(signum)],
         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode != 0
-    assert time.monotonic() - start < 150, "the processes waited for a timeout"
     last_words = proc.stderr.strip().splitlines()[-3:]  # rank 0's report, the error the user sees
     assert any("failed or exited" in line for line in last_words), proc.stderr[-3000:]
     if signum == 0:

@@ -147,6 +147,7 @@ def test_the_report_names_each_part_once() -> None:
     assert measures.report() is None
 
 
+@pytest.mark.multiprocess  # stage processes in a module of another kind
 @pytest.mark.slow
 def test_a_rerun_of_num_stages_auto_takes_the_profile_from_the_cache(tmp_path: Path) -> None:
     """Two processes profile a share each on the first run and rank 0 stores the profile; the rerun (a resume
