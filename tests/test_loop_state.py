@@ -33,7 +33,7 @@ def test_lightning_keeps_the_loop_state_layout_exact_resume_rewrites(namespace_n
 def test_changed_loop_state_layout_fails_loudly_naming_the_version() -> None:
     checkpoint = {"pytorch-lightning_version": "9.9.9", "loops": {"fit_loop": {
         "epoch_progress": {"total": {}, "current": {}}}}}
-    with pytest.raises(NASPipeConfigError, match=r"Lightning 9\.9\.9 .*epoch_progress.*'total'.*lightning<2\.7"):
+    with pytest.raises(NASPipeConfigError, match=r"Lightning 9\.9\.9 .*epoch_progress.*'total'.*lightning>=2\.6,<2\.7"):
         reopen_epoch(checkpoint, 0)
 
 
@@ -43,6 +43,7 @@ def test_the_dependency_bounds_the_refusal_and_the_installed_versions_agree() ->
 
     from packaging.version import Version
 
+    from lightning_naspipe.compat.lightning import SUPPORTED
     from lightning_naspipe.integration import loop_state
     from lightning_naspipe.namespaces import installed
 
@@ -50,9 +51,9 @@ def test_the_dependency_bounds_the_refusal_and_the_installed_versions_agree() ->
     bounds = dict((name, (low, high)) for name, low, high in
                   re.findall(r'"(lightning|pytorch-lightning)>=([\d.]+),<([\d.]+)"', pyproject))
     assert set(bounds) == {"lightning", "pytorch-lightning"}, "pyproject bounds both Lightning packages"
-    source = inspect.getsource(loop_state)
-    for name, (_, high) in bounds.items():
-        assert f"{name}<{high}" in source, f"loop_state's refusal should tell users to install {name}<{high}"
+    assert "SUPPORTED" in inspect.getsource(loop_state), "loop_state's refusal names compat.lightning.SUPPORTED"
+    for name, (low, high) in bounds.items():
+        assert f"{name}>={low},<{high}" in SUPPORTED, f"the refusals should tell users to install {name}<{high}"
     for namespace in installed():  # the suite runs inside the bounds it states
         low, high = bounds["lightning" if namespace.name == "lightning.pytorch" else "pytorch-lightning"]
         assert Version(low) <= Version(namespace.version) < Version(high), (namespace.name, namespace.version)
