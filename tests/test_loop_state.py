@@ -57,3 +57,34 @@ def test_the_dependency_bounds_the_refusal_and_the_installed_versions_agree() ->
     for namespace in installed():  # the suite runs inside the bounds it states
         low, high = bounds["lightning" if namespace.name == "lightning.pytorch" else "pytorch-lightning"]
         assert Version(low) <= Version(namespace.version) < Version(high), (namespace.name, namespace.version)
+
+
+@pytest.mark.parametrize("namespace_name", ["lightning.pytorch", "pytorch_lightning"])
+def test_reopen_epoch_gives_the_counters_lightning_resumes_inside_an_epoch_from(namespace_name: str,
+                                                                                 tmp_path: Path) -> None:
+    # The rewrite's meaning, not only its keys: Lightning's own checkpoint where max_steps stopped inside an epoch,
+    # rewritten by reopen_epoch, holds the counters of Lightning's own checkpoint written at that step's
+    # on_train_batch_end (the state it resumes inside the epoch from). Plain Trainer, in process.
+    from helpers import NAMESPACES, train
+
+    from lightning_naspipe.compat.lightning import LOGGER_STEP_KEY
+
+    ns = NAMESPACES[namespace_name]
+    _, trainer = train(namespace=ns, max_steps=5)  # 12 batches per epoch
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    stopped = dict(torch.load(tmp_path / "stop.ckpt", weights_only=False))
+
+    class SaveAtStep5(ns.Callback):  # type: ignore[misc, name-defined]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 5:
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    train(namespace=ns, max_steps=7, callbacks=[SaveAtStep5()])
+    mid = torch.load(tmp_path / "mid.ckpt", weights_only=False)["loops"]["fit_loop"]
+    assert stopped["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1, "Lightning closed epoch 0"
+    reopen_epoch(stopped, 0)
+    rewritten = stopped["loops"]["fit_loop"]
+    for key in ("epoch_progress", "epoch_loop.batch_progress"):
+        assert rewritten[key] == mid[key], key
+    assert rewritten["epoch_loop.state_dict"][LOGGER_STEP_KEY] == mid["epoch_loop.state_dict"][LOGGER_STEP_KEY] == 4
+    assert stopped["epoch"] == 0

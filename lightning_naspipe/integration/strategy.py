@@ -217,6 +217,8 @@ class NASPipeStrategy(PipelineBuilding):
 
     @override
     def setup(self, trainer: Any) -> None:
+        assert self._namespace is not None, "bound by the Trainer"
+        lightning.require_internals(self._namespace)  # before any collective: refuse, naming what is missing
         supernet = supernet_of(self.lightning_module)
         example = getattr(self.lightning_module, "supernet_example_input", None)
         if self.num_stages == "auto":  # one stage per process until the first training batch chooses
