@@ -126,8 +126,8 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
     if not lightning.has_logging_internals(trainer):
         raise NASPipeConfigError(
             "This Lightning version lays out its training loop differently from what NASPipe knows (no "
-            "fit_loop.epoch_loop._batches_that_stepped or trainer._results); install a supported version "
-            "(see pyproject.toml)."
+            "fit_loop.epoch_loop._batches_that_stepped or trainer._results); install "
+            f"{lightning.SUPPORTED}."
         )
     connector, results = lightning.logger_connector(trainer), lightning.results(trainer)
     key = _registered_key(module, trainer)
@@ -259,4 +259,4 @@ def _result_key(results: Any, name: str) -> str:
         if metric.meta.name == name and key.startswith("training_step."):
             return str(key)
     raise NASPipeConfigError(f"Lightning did not record self.log({name!r}, ...) where NASPipe expects it; "
-                             "install a supported Lightning version (see pyproject.toml).")
+                             f"install {lightning.SUPPORTED}.")
