@@ -33,7 +33,7 @@ _UNIT = """actions affinity arguments auto_layout block_cost block_timing constr
     placement planner private_apis processes profile_cache replicas residency sampling schedule schedule_rules
     schedule_ties search_plot searchers space_spec stage_table stalls supernet swapping verify_report weight_grads
     wire kinds benchmarks_index"""
-_INPROCESS = """batch_hooks boundary callback cells checkpoint_io clipping data elastic engine finders loop_state
+_INPROCESS = """batch_hooks boundary callback cells checkpoint_io clipping compat data elastic engine finders loop_state
     loss_log loss_state microbatch mixin namespaces offload progress replicas_engine search startup step_sampling
     stepping strategy telemetry ties"""
 _MULTIPROCESS = "distributed pipeline pipeline_cells replicas_stages ties_stages transport"

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_naspipe.pipeline.sampling import host_rng
+from lightning_naspipe.compat import python as compat_python
 from lightning_naspipe.pipeline.sampling.host_rng import keyed_host_generators
 
 
@@ -41,17 +41,17 @@ def test_a_region_draws_from_its_key_alone_and_leaves_the_outer_streams_as_they_
 
 
 def test_the_raw_copy_of_pythons_state_is_used_here_and_the_tuple_path_gives_the_same_draws() -> None:
-    assert host_rng._RAW_PYTHON_STATE  # CPython: the ~1 us copy, not getstate's tuple
+    assert compat_python.RAW_PYTHON_STATE  # CPython: the ~1 us copy, not getstate's tuple
     draws = {}
     for raw in (True, False):
-        host_rng._RAW_PYTHON_STATE = raw
+        compat_python.RAW_PYTHON_STATE = raw
         try:
             random.seed(3)
             with keyed_host_generators(9):
                 inside = _draws()
             draws[raw] = (inside, random.random(), random.gauss(0, 1), random.gauss(0, 1))
         finally:
-            host_rng._RAW_PYTHON_STATE = True
+            compat_python.RAW_PYTHON_STATE = True
     assert draws[True] == draws[False]
     random.seed(3)
     assert draws[True][1:] == (random.random(), random.gauss(0, 1), random.gauss(0, 1))

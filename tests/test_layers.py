@@ -3,14 +3,18 @@
 The layers, bottom up (each may import the ones below it and itself, never one above):
 
 * base: ``errors``, ``namespaces`` (the top-level modules that everything may use);
+* ``compat``: the one home of private Lightning, torch and Python names and of runtime patches (imports only the
+  base). Every layer above the base may import ``compat.torch`` and ``compat.python``; only ``integration`` and
+  the entry may import ``compat.lightning``, the one module outside ``integration`` that imports a Lightning
+  namespace;
 * ``space``: what users write (supernet, choices, cells, freezing);
 * ``schedule``: the CSP schedule, pure Python (actions, schedules, rules, lookahead);
 * ``transport``: between stage processes (wire, links, collectives), in a schedule's send order;
 * ``pipeline``: training windows on a stage (runtime, exactness, placement, sampling, offload);
 * ``planning`` (measuring and predicting) and ``searching`` (after training), side by side: neither
   imports the other, and nothing below them imports either;
-* ``integration``: the Lightning glue, the only subpackage that imports a Lightning namespace
-  (``lightning``, ``pytorch_lightning``, ``lightning_fabric``); it may import every layer;
+* ``integration``: the Lightning glue, the only subpackage (with ``compat.lightning``) that imports a Lightning
+  namespace (``lightning``, ``pytorch_lightning``, ``lightning_fabric``); it may import every layer;
 * entry: the top-level ``__init__`` and ``__main__``, which may import anything and which nothing imports.
 
 Every import counts: module level, inside functions and under ``if TYPE_CHECKING:``.
@@ -32,16 +36,21 @@ ENTRY_MODULES = frozenset({"__init__", "__main__"})
 #: Layer -> the layers it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
     "base": frozenset(),
-    "space": frozenset({"base"}),
-    "schedule": frozenset({"base", "space"}),
-    "transport": frozenset({"base", "space", "schedule"}),
-    "pipeline": frozenset({"base", "space", "schedule", "transport"}),
-    "planning": frozenset({"base", "space", "schedule", "transport", "pipeline"}),
-    "searching": frozenset({"base", "space", "schedule", "transport", "pipeline"}),
-    "integration": frozenset({"base", "space", "schedule", "transport", "pipeline", "planning", "searching"}),
-    "entry": frozenset({"base", "space", "schedule", "transport", "pipeline", "planning", "searching", "integration",
-                        "entry"}),
+    "compat": frozenset({"base"}),
+    "space": frozenset({"base", "compat"}),
+    "schedule": frozenset({"base", "compat", "space"}),
+    "transport": frozenset({"base", "compat", "space", "schedule"}),
+    "pipeline": frozenset({"base", "compat", "space", "schedule", "transport"}),
+    "planning": frozenset({"base", "compat", "space", "schedule", "transport", "pipeline"}),
+    "searching": frozenset({"base", "compat", "space", "schedule", "transport", "pipeline"}),
+    "integration": frozenset({"base", "compat", "space", "schedule", "transport", "pipeline", "planning", "searching"}),
+    "entry": frozenset({"base", "compat", "space", "schedule", "transport", "pipeline", "planning", "searching",
+                        "integration", "entry"}),
 }
+#: The module of ``compat`` that reaches Lightning: it alone outside integration imports a Lightning namespace, and
+#: only these layers import it.
+COMPAT_LIGHTNING = f"{PACKAGE}.compat.lightning"
+IMPORT_COMPAT_LIGHTNING = frozenset({"integration", "entry", "compat"})
 #: What may sit at the package's top level besides the subpackages.
 TOP_LEVEL_FILES = frozenset({"__init__.py", "__main__.py", "errors.py", "namespaces.py", "py.typed"})
 
@@ -104,8 +113,13 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
     found: list[str] = []
     for line, name in _imported(module, is_package, tree):
         top = name.split(".")[0]
-        if top in LIGHTNING_NAMESPACES and layer not in {"integration"}:
-            found.append(f"{line}: {name} (only integration imports a Lightning namespace; {layer} may not)")
+        if top in LIGHTNING_NAMESPACES and layer != "integration" and module != COMPAT_LIGHTNING:
+            found.append(f"{line}: {name} (only integration and compat.lightning import a Lightning namespace; "
+                         f"{layer} may not)")
+        if (name == COMPAT_LIGHTNING or name.startswith(COMPAT_LIGHTNING + ".")) and (
+                layer not in IMPORT_COMPAT_LIGHTNING):
+            found.append(f"{line}: {name} (only integration and the entry import compat.lightning; {layer} may not)")
+            continue
         if top != PACKAGE:
             continue
         target = _target_layer(name)
@@ -150,7 +164,8 @@ def test_every_subpackage_states_its_role() -> None:
 
 
 @pytest.mark.parametrize(("module", "source", "expected"), [
-    ("lightning_naspipe.pipeline.runtime.engine", "import pytorch_lightning\n", "only integration imports a Lightning"),
+    ("lightning_naspipe.pipeline.runtime.engine", "import pytorch_lightning\n",
+     "only integration and compat.lightning import a Lightning"),
     ("lightning_naspipe.pipeline.runtime.engine", "from lightning.pytorch import Trainer\n", "only integration"),
     ("lightning_naspipe.transport.p2p", "import lightning_fabric.utilities\n", "only integration"),
     ("lightning_naspipe.pipeline.runtime.engine",
@@ -179,6 +194,16 @@ def test_every_subpackage_states_its_role() -> None:
      "from ... import integration\n", "pipeline may not import integration"),
     ("lightning_naspipe.pipeline.offload.offload", "from ...integration.strategy import NASPipeStrategy\n",
      "pipeline may not import integration"),
+    ("lightning_naspipe.pipeline.exactness.clipping", "from lightning_naspipe.compat import lightning\n",
+     "only integration and the entry import compat.lightning; pipeline may not"),
+    ("lightning_naspipe.space.supernet", "from lightning_naspipe.compat.lightning import swap_class\n",
+     "only integration and the entry import compat.lightning; space may not"),
+    ("lightning_naspipe.pipeline.runtime.engine", "from ...compat import lightning\n",
+     "compat.lightning; pipeline may not"),
+    ("lightning_naspipe.compat.torch", "import lightning.pytorch\n", "only integration and compat.lightning"),
+    ("lightning_naspipe.compat.python", "from lightning_naspipe.space.choice import When\n",
+     "compat may not import space"),
+    ("lightning_naspipe.errors", "from lightning_naspipe.compat.torch import pytree\n", "base may not import compat"),
 ])
 def test_the_checker_catches_a_violation(module: str, source: str, expected: str) -> None:
     found = violations(module, source)
@@ -193,6 +218,17 @@ def test_the_checker_lets_downward_imports_through() -> None:
     assert violations("lightning_naspipe.transport.p2p", "from lightning_naspipe.schedule.actions import NORMS\n") == []
     assert violations("lightning_naspipe.integration.strategy", "import pytorch_lightning\n"
                       "from lightning_naspipe.planning.block_timing import agreed_timed_weights\n") == []
+    # compat: torch's and Python's for every layer; Lightning's for integration and the entry
+    for module in ("lightning_naspipe.space.choice", "lightning_naspipe.transport.wire",
+                   "lightning_naspipe.pipeline.runtime.engine", "lightning_naspipe.searching.export",
+                   "lightning_naspipe.integration.loss_log"):
+        assert violations(module, "from lightning_naspipe.compat.torch import pytree\n"
+                                  "from lightning_naspipe.compat import python\n") == [], module
+    assert violations("lightning_naspipe.integration.loss_log",
+                      "from lightning_naspipe.compat import lightning\n") == []
+    assert violations("lightning_naspipe", "from lightning_naspipe.compat.lightning import SUPPORTED\n") == []
+    assert violations("lightning_naspipe.compat.lightning", "import lightning_fabric\n"
+                      "from lightning_naspipe.namespaces import Namespace\n") == []
 
 
 def test_a_stray_top_level_module_has_no_layer() -> None:

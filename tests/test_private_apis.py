@@ -7,9 +7,12 @@ run. Lightning guards run under both namespaces (``lightning.pytorch`` and ``pyt
 the package does (``lightning_naspipe.namespaces``).
 
 :func:`test_the_table_lists_every_private_api_the_package_uses` walks every module's AST and collects
-the private names it reaches on objects that are not its own: ``x._name`` and ``getattr(x, "_name")``,
-imports of ``_``-prefixed modules and names, and ``self._name`` / ``def _name`` in a class whose
-Lightning or torch base defines ``_name``. Those names and the table's first column must be equal.
+the private names it reaches on objects that are not its own: ``x._name``, ``getattr(x, "_name")`` and
+``x["_name"]``, imports of ``_``-prefixed modules and names, and ``self._name`` / ``def _name`` in a class whose
+Lightning or torch base defines ``_name``. They must all be in ``lightning_naspipe/compat/`` (the one home of
+internals), and those names and the table's first column must be equal.
+:func:`test_runtime_patches_live_in_compat` finds monkey-patching (``x.__class__ = ...``, ``setattr`` on or
+assignment to a foreign module's attribute) outside ``compat/``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ SECTION = "## Private Lightning and torch APIs, all of them"
 NOT_LIGHTNING_OR_TORCH = {"_exit": "os._exit, a documented standard-library function"}
 
 NAMESPACES = [pytest.param(ns, id=ns.name) for ns in installed()]
+#: The one home of private names and runtime patches.
+COMPAT = "lightning_naspipe/compat/"
+#: Top-level modules whose attributes the package must not assign outside compat/ (monkey-patching).
+FOREIGN = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "numpy", "random")
 
 
 def _trainer(ns: Namespace) -> Any:
@@ -328,10 +335,11 @@ def test_host_generator_internals() -> None:
 
     import numpy as np
 
+    from lightning_naspipe.compat import python as compat_python
     from lightning_naspipe.pipeline.sampling import host_rng
 
     assert isinstance(random._inst, _random.Random), "random._inst is no longer the module's generator"
-    assert host_rng._RAW_PYTHON_STATE, "CPython's Random no longer keeps its state where host_rng copies it from"
+    assert compat_python.RAW_PYTHON_STATE, "CPython's Random no longer keeps its state where host_rng copies it from"
     bit_generator = np.random.mtrand._rand._bit_generator
     assert isinstance(bit_generator, np.random.MT19937), "NumPy's global generator is no longer an MT19937"
     address = int(bit_generator.ctypes.state_address)
@@ -427,6 +435,10 @@ def private_uses() -> dict[str, set[str]]:
                 on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
                 if not on_self and (node.attr not in own or node.attr in documented):
                     add(node.attr, path, node)
+            elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                  and isinstance(node.slice.value, str) and node.slice.value.isidentifier()
+                  and _is_private(node.slice.value)):
+                add(node.slice.value, path, node)  # a key of Lightning's own state, e.g. the checkpoint's loops
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                   and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
                   and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
@@ -465,8 +477,17 @@ def documented_names() -> set[str]:
     return names
 
 
+def outside_compat(used: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Of ``used`` (:func:`private_uses`), the places outside compat/, by name."""
+    outside = {name: sorted(w for w in where if not w.startswith(COMPAT)) for name, where in used.items()}
+    return {name: where for name, where in outside.items() if where}
+
+
 def test_the_table_lists_every_private_api_the_package_uses() -> None:
     used, documented = private_uses(), documented_names()
+    outside = outside_compat(used)
+    assert not outside, (f"private Lightning/torch names reached outside {COMPAT} (call an accessor of "
+                         f"lightning_naspipe.compat instead): {outside}")
     missing = {name: sorted(where) for name, where in used.items() if name not in documented}
     assert not missing, (f"private Lightning/torch names used but not in docs/design.md's table {SECTION!r}: "
                          f"{missing}; add a row (or the name to a row) with a guard test in this file")
@@ -490,3 +511,60 @@ def test_scan_finds_a_private_access() -> None:
                  "_configure_launcher", "_trainer"):
         assert name in used, name
     assert lightning_naspipe.__name__ == "lightning_naspipe"
+
+
+def runtime_patches(path: str, source: str) -> list[str]:
+    """``path:line`` of each monkey-patch in ``source``: ``x.__class__ = ...``, ``setattr(m, ...)`` or
+    ``m.attr = ...`` where ``m`` is a foreign module (:data:`FOREIGN`, by its import name or alias)."""
+    tree = ast.parse(source)
+    aliases = set(FOREIGN)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.asname and a.name.split(".")[0] in FOREIGN}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in FOREIGN:
+            aliases |= {a.asname or a.name for a in node.names if (a.asname or a.name)[:1].islower()}
+
+    def foreign(node: ast.AST) -> bool:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in aliases
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for leaf in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                if isinstance(leaf, ast.Attribute) and (leaf.attr == "__class__" or foreign(leaf.value)):
+                    found.append(f"{path}:{leaf.lineno}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and node.args and foreign(node.args[0])):
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_runtime_patches_live_in_compat() -> None:
+    patches = [p for path in sorted(PACKAGE_DIR.rglob("*.py")) if not str(path.relative_to(ROOT)).startswith(COMPAT)
+               for p in runtime_patches(str(path.relative_to(ROOT)), path.read_text())]
+    assert not patches, f"runtime patches outside {COMPAT} (move the mechanics into a compat function): {patches}"
+    inside = [p for path in sorted((PACKAGE_DIR / "compat").glob("*.py"))
+              for p in runtime_patches(str(path.relative_to(ROOT)), path.read_text())]
+    assert inside, "the scan finds the patches compat/ holds (swap_class, clip_grad_norm_)"
+
+
+@pytest.mark.parametrize(("source", "count"), [
+    ("bar.__class__ = Other\n", 1),
+    ("import torch\ntorch.nn.utils.clip_grad_norm_ = f\n", 1),
+    ("import torch.nn.utils as u\nsetattr(u, 'clip_grad_norm_', f)\n", 1),
+    ("from lightning.pytorch import loops\nloops.x = 1\n", 1),
+    ("import torch\nmodule.weight = torch.nn.Parameter(w)\nsetattr(module, 'w', p)\nself.x = 1\n", 0),
+])
+def test_the_patch_scan_finds_monkey_patching(source: str, count: int) -> None:
+    assert len(runtime_patches("m.py", source)) == count, runtime_patches("m.py", source)
+
+
+def test_the_scan_flags_a_private_name_outside_compat(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = list(_modules())
+    fake = (PACKAGE_DIR / "integration" / "fake.py", ast.parse("def f(trainer):\n    return trainer._results\n"), None)
+    monkeypatch.setitem(globals(), "_modules", lambda: iter([*real, fake]))
+    assert outside_compat(private_uses()) == {"_results": ["lightning_naspipe/integration/fake.py:2"]}

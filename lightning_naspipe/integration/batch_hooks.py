@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.data import DataTracker
 from lightning_naspipe.integration.loss_log import log_hook_calls
 
@@ -96,7 +97,7 @@ def log_cut_batch(module: Any) -> None:
     if cut is None:
         return
     batch, calls = cut
-    results = module.trainer._results
+    results = lightning.results(module.trainer)
     results.batch, results.batch_size = batch, None
     log_hook_calls(module, HOOK, calls)
 

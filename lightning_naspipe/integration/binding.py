@@ -16,6 +16,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.checkpoint_io import atomic_checkpoint_io
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace, installed, namespace_of
@@ -36,8 +37,7 @@ class NamespaceBinding(StageProcesses):
         if self._namespace is not None:
             self._namespace.parallel_strategy.__init__(self, **plugins)
             return
-        self._accelerator, self._precision_plugin = plugins["accelerator"], plugins["precision_plugin"]
-        self._checkpoint_io = plugins["checkpoint_io"]
+        lightning.set_plugins(self, plugins["accelerator"], plugins["precision_plugin"], plugins["checkpoint_io"])
         self.cluster_environment, self.parallel_devices = plugins["cluster_environment"], plugins["parallel_devices"]
         for plugin in plugins.values():
             self._bind(namespace_of(plugin))
@@ -46,26 +46,27 @@ class NamespaceBinding(StageProcesses):
     @override
     def checkpoint_io(self) -> Any:
         assert self._namespace is not None, "bound by the Trainer"
-        wrapping = self._namespace.pytorch_module("plugins.io.wrapper")._WrappingCheckpointIO
-        if self._checkpoint_io is None:  # the default: Lightning's format, written crash-safe
-            self._checkpoint_io = atomic_checkpoint_io(self._namespace)
-        elif isinstance(self._checkpoint_io, wrapping) and self._checkpoint_io.checkpoint_io is None:
-            self._checkpoint_io.checkpoint_io = atomic_checkpoint_io(self._namespace)  # e.g. AsyncCheckpointIO()
-        return self._checkpoint_io
+        wrapping, io = lightning.wrapping_checkpoint_io(self._namespace), lightning.strategy_checkpoint_io(self)
+        if io is None:  # the default: Lightning's format, written crash-safe
+            io = atomic_checkpoint_io(self._namespace)
+            lightning.set_strategy_checkpoint_io(self, io)
+        elif isinstance(io, wrapping) and io.checkpoint_io is None:
+            io.checkpoint_io = atomic_checkpoint_io(self._namespace)  # e.g. AsyncCheckpointIO()
+        return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
-        self._checkpoint_io = io
+        lightning.set_strategy_checkpoint_io(self, io)
 
     @property
     def accelerator(self) -> Any:
-        return self._accelerator
+        return lightning.strategy_accelerator(self)
 
     @accelerator.setter
     def accelerator(self, accelerator: Any) -> None:
         # The Trainer sets the accelerator first: that is when an unbound strategy learns its namespace.
         self._bind(namespace_of(accelerator))
-        self._accelerator = accelerator
+        lightning.set_strategy_accelerator(self, accelerator)
 
     def _bind(self, namespace: Namespace | None) -> None:
         """Become the ``namespace``'s bound class, or check that this instance already is."""
@@ -77,7 +78,7 @@ class NamespaceBinding(StageProcesses):
                 f"cannot serve {namespace.name}. Create a new NASPipeStrategy(...) for each Trainer, and do not mix "
                 "lightning.pytorch and pytorch_lightning objects in one Trainer."
             )
-        self.__class__ = _BOUND[namespace.name]
+        lightning.swap_class(self, _BOUND[namespace.name])
         namespace.parallel_strategy.__init__(self, **self._plugins)
 
     def _info(self, message: str) -> None:

@@ -17,7 +17,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from lightning_naspipe.pipeline.exactness.clipping import hide_from_validator, restore
+from lightning_naspipe.compat.lightning import has_clip_gradients, replaced_clip_gradients, should_check_val_epoch
+from lightning_naspipe.pipeline.exactness.clipping import hide_from_validator, restore, use_precision_hooks
 from lightning_naspipe.integration.batch_hooks import log_cut_batch
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
@@ -26,6 +27,9 @@ from lightning_naspipe.namespaces import installed, overrides_hook
 from lightning_naspipe.pipeline.runtime.optim import step_schedulers
 from lightning_naspipe.space.fingerprint import space_changes, space_fingerprint
 from lightning_naspipe.space.supernet import supernet_of
+
+# Gradient clipping reaches the precision plugin through the Lightning glue: the pipeline imports no Lightning.
+use_precision_hooks(has_clip_gradients, replaced_clip_gradients)
 
 CHECKPOINT_KEY = "naspipe"
 
@@ -249,9 +253,8 @@ class NASPipeCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             data["epoch_open"] = epoch_open(checkpoint)
             if data["epoch_open"]:
                 state["train_loss_sum"] = epoch_loss_sum(pl_module, data["epoch"])
-            # _should_check_val_epoch (private, Lightning 2.6): whether the epoch validates at its end.
-            if data["finished"] and data["epoch_open"]:
-                finish_last_window(checkpoint, trainer.fit_loop.epoch_loop._should_check_val_epoch())
+            if data["finished"] and data["epoch_open"]:  # whether the epoch validates at its end
+                finish_last_window(checkpoint, should_check_val_epoch(trainer))
         checkpoint[CHECKPOINT_KEY] = state
 
     def on_load_checkpoint(

@@ -29,6 +29,7 @@ import sys
 from functools import cache
 from typing import Any, Optional, Union
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.integration.strategy import NASPipeStrategy
 from lightning_naspipe.integration.verify import adopt, compare, current_role, rerun_command, role_overrides, train_role
@@ -143,11 +144,11 @@ def _own_log_folders(trainer: Any, namespace: Namespace) -> None:
     for logger in trainer.loggers:
         if not isinstance(logger, (loggers.CSVLogger, loggers.TensorBoardLogger)):
             continue
-        version = logger._version  # what the user fixed, or None; `version` would pick the next free one
-        if version is None or getattr(logger, "_experiment", None) is not None:
+        version = lightning.fixed_logger_version(logger)  # or None; `version` would pick the next free one
+        if version is None or lightning.logger_started(logger):
             continue  # a new version_N, or a run already writing where it writes
         folder = version if isinstance(version, str) else f"version_{version}"
-        logger._version = os.path.join(folder, "search") if folder else "search"
+        lightning.set_logger_version(logger, os.path.join(folder, "search") if folder else "search")
 
 
 def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[str] = None,

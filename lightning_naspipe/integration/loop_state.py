@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_naspipe.compat.lightning import LOGGER_STEP_KEY, SUPPORTED
 from lightning_naspipe.errors import NASPipeConfigError
 
 __all__ = ["LOOP_STATE_LAYOUT", "check_loop_state_layout", "epoch_open", "finish_last_window", "reopen_epoch"]
@@ -42,7 +43,7 @@ def reopen_epoch(checkpoint: dict[str, Any], epoch: int) -> None:
         batches = fit_loop["epoch_loop.batch_progress"][scope]
         batches["completed"] = batches["processed"] - 1
     fit_loop["epoch_loop.batch_progress"]["is_last_batch"] = False
-    fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    fit_loop["epoch_loop.state_dict"][LOGGER_STEP_KEY] -= 1
     checkpoint["epoch"] = epoch
 
 
@@ -74,7 +75,7 @@ def finish_last_window(checkpoint: dict[str, Any], validates: bool) -> None:
             fit_loop["epoch_loop.val_loop.batch_progress"][scope].update(ready=1, started=1, processed=0,
                                                                         completed=0)
     if not validates:  # Lightning counts this batch for the loggers only when it validates after a restart
-        fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
+        fit_loop["epoch_loop.state_dict"][LOGGER_STEP_KEY] += 1
 
 
 #: Where reopen_epoch reads and writes in a checkpoint's fit-loop state, as Lightning 2.6 lays it out:
@@ -84,7 +85,7 @@ LOOP_STATE_LAYOUT: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("epoch_progress", "total", _PROGRESS), ("epoch_progress", "current", _PROGRESS),
     ("epoch_loop.batch_progress", "total", _PROGRESS), ("epoch_loop.batch_progress", "current", _PROGRESS),
     ("epoch_loop.batch_progress", None, ("is_last_batch",)),
-    ("epoch_loop.state_dict", None, ("_batches_that_stepped",)),
+    ("epoch_loop.state_dict", None, (LOGGER_STEP_KEY,)),
     ("epoch_loop.val_loop.batch_progress", "total", _PROGRESS),
     ("epoch_loop.val_loop.batch_progress", "current", _PROGRESS),
 )
@@ -102,7 +103,6 @@ def check_loop_state_layout(checkpoint: dict[str, Any]) -> None:
             where = f"fit_loop[{key!r}]" + (f"[{scope!r}]" if scope else "")
             raise NASPipeConfigError(
                 f"Lightning {checkpoint.get('pytorch-lightning_version', '(unknown version)')} stores the fit loop's "
-                f"state differently from Lightning 2.6, which NASPipe is tested with: {where} lacks {missing}. "
-                "NASPipe rewrites that state for exact resume after max_steps; install lightning<2.7 (or "
-                "pytorch-lightning<2.7) until NASPipe supports this version."
+                f"state differently from the Lightning NASPipe supports ({SUPPORTED}): {where} lacks {missing}. "
+                f"NASPipe rewrites that state for exact resume after max_steps; install {SUPPORTED}."
             )

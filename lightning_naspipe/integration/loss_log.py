@@ -18,10 +18,10 @@ and, at an epoch's first batch, resets it); later windows update the registered 
 would, without its per-call work (0.5-1.4 ms per call, mostly walking the metric to move it to the
 device it is already on), which every stage process paid once per window.
 
-Private Lightning API used (see docs/design.md): ``trainer._results`` (``update_metrics``, ``batch``,
-``batch_size``), ``trainer._logger_connector`` (``on_batch_start``, ``should_update_logs``,
-``update_train_step_metrics``, ``should_reset_tensors``, ``_current_fx``), and
-``fit_loop.epoch_loop._batches_that_stepped``.
+Private Lightning API used, through :mod:`lightning_naspipe.compat.lightning` (see docs/design.md): the result
+collection (``update_metrics``, ``batch``, ``batch_size``), the logger connector (``on_batch_start``,
+``should_update_logs``, ``update_train_step_metrics``, ``should_reset_tensors``, the hook it logs for), and the
+loggers' step.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import installed
 
@@ -67,8 +68,8 @@ class BatchStartPoints:
                                                                      or self.trainer.should_stop):
             return  # Lightning's own should_update_logs, for that batch
         for monitor in self.monitors:
-            # _extract_stats (private, Lightning 2.6): what the monitor's on_train_batch_start logs.
-            stats = monitor._extract_stats(self.trainer, "step" if monitor.logging_interval is None else "any")
+            interval = "step" if monitor.logging_interval is None else "any"
+            stats = lightning.lr_monitor_stats(monitor, self.trainer, interval)
             if stats:
                 self.points.setdefault(batch, {})[id(monitor)] = stats
 
@@ -123,17 +124,16 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
     trainer = module.trainer
     if trainer.barebones:  # Lightning logs nothing then (self.log only warns)
         return
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if not hasattr(epoch_loop, "_batches_that_stepped") or not hasattr(trainer, "_results"):
+    if not lightning.has_logging_internals(trainer):
         raise NASPipeConfigError(
             "This Lightning version lays out its training loop differently from what NASPipe knows (no "
-            "fit_loop.epoch_loop._batches_that_stepped or trainer._results); install a supported version "
-            "(see pyproject.toml)."
+            "fit_loop.epoch_loop._batches_that_stepped or trainer._results); install "
+            f"{lightning.SUPPORTED}."
         )
-    connector, results = trainer._logger_connector, trainer._results
+    connector, results = lightning.logger_connector(trainer), lightning.results(trainer)
     key = _registered_key(module, trainer)
     if key is not None:
-        connector._current_fx = module._current_fx_name  # as self.log leaves it
+        lightning.set_connector_fx(connector, lightning.current_fx_name(module))  # as self.log leaves it
     logged = [(k, loss) for k, loss in enumerate(losses) if loss is not None]
     by_subnet: dict[int, list[Any]] = {}
     for record in records:
@@ -144,7 +144,7 @@ def log_window_losses(module: Any, first_index: int, losses: Sequence[Tensor | N
             connector.on_batch_start(batches[k])
         else:
             results.batch, results.batch_size = batches[k], None
-        epoch_loop._batches_that_stepped = index  # the loggers' step axis counts subnets, as in the plain run
+        lightning.set_batches_that_stepped(trainer, index)  # the loggers' step axis counts subnets, as in the plain run
         if batch_starts is not None and position:
             batch_starts.log_start(module, index, batches[k])
         log_hook_calls(module, "on_train_batch_start", (batch_start_logs or {}).get(index, ()))
@@ -174,14 +174,16 @@ def log_hook_calls(module: Any, hook: str, calls: Sequence[Any]) -> None:
     one's calls are Lightning's own), so the hook's metrics are never reset here, at an epoch's end included."""
     if not calls:
         return
-    connector = module.trainer._logger_connector
-    own_hook, fx = module._current_fx_name, connector._current_fx
-    module._current_fx_name = connector._current_fx = hook  # (the same hook as before: self.log resets nothing)
+    connector = lightning.logger_connector(module.trainer)
+    own_hook, fx = lightning.current_fx_name(module), lightning.connector_fx(connector)
+    lightning.set_current_fx_name(module, hook)  # (the same hook as before: self.log resets nothing)
+    lightning.set_connector_fx(connector, hook)
     try:
         for name, value, args, kwargs in calls:
             module.log(name, value, *args, **kwargs)
     finally:  # as the subnet's training step left them: an epoch's first batch resets a hook's metrics that differ
-        module._current_fx_name, connector._current_fx = own_hook, fx
+        lightning.set_current_fx_name(module, own_hook)
+        lightning.set_connector_fx(connector, fx)
 
 
 #: Hooks that run inside a window's backward and updates, on each stage for its own blocks.
@@ -233,22 +235,23 @@ def finish_resumed_epoch_sum(module: Any, trainer: Any) -> None:
     saved = module.__dict__.get(RESUMED_SUM)
     if saved is None or trainer.barebones:
         return
-    hook, module._current_fx_name = module._current_fx_name, "training_step"  # registered as training_step's
+    hook = lightning.current_fx_name(module)
+    lightning.set_current_fx_name(module, "training_step")  # registered as training_step's
     try:
         module.log(TRAIN_LOSS, saved["value"].clone(), prog_bar=True, on_step=True, on_epoch=True, batch_size=1)
     finally:
-        module._current_fx_name = hook
-    _continue_epoch_sum(module, trainer.fit_loop.epoch_loop._results[f"training_step.{TRAIN_LOSS}"])
+        lightning.set_current_fx_name(module, hook)
+    _continue_epoch_sum(module, lightning.epoch_loop_results(trainer)[f"training_step.{TRAIN_LOSS}"])
 
 
 def _registered_key(module: Any, trainer: Any) -> str | None:
     """The result key of ``train_loss`` if ``self.log`` would only update it now, else ``None``."""
-    fx = module._current_fx_name
+    fx = lightning.current_fx_name(module)
     # At an epoch's first batch self.log resets the metric first.
-    if fx != "training_step" or trainer._logger_connector.should_reset_tensors(fx):
+    if fx != "training_step" or lightning.logger_connector(trainer).should_reset_tensors(fx):
         return None
     key = f"{fx}.{TRAIN_LOSS}"
-    return key if key in trainer._results else None
+    return key if key in lightning.results(trainer) else None
 
 
 def _result_key(results: Any, name: str) -> str:
@@ -257,4 +260,4 @@ def _result_key(results: Any, name: str) -> str:
         if metric.meta.name == name and key.startswith("training_step."):
             return str(key)
     raise NASPipeConfigError(f"Lightning did not record self.log({name!r}, ...) where NASPipe expects it; "
-                             "install a supported Lightning version (see pyproject.toml).")
+                             f"install {lightning.SUPPORTED}.")

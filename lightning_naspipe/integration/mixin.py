@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRunner, check_checkpoint_space,
                                                     keep_scheduler_monitors, validate_run)
 from lightning_naspipe.pipeline.runtime.engine import Engine
@@ -120,7 +121,7 @@ class NASPipeMixin:
         the output is returned on every stage, so validation code runs unchanged on every rank.
         """
         module: Any = self
-        strategy = module.trainer.strategy if module._trainer is not None else None
+        strategy = module.trainer.strategy if lightning.is_attached(module) else None
         engine = strategy.engine if isinstance(strategy, PipelineRunner) and strategy.engine else None
         return (engine or self._sequential_engine()).evaluate(cast("EngineModule", self), batch, architecture)
 
@@ -154,7 +155,7 @@ class NASPipeMixin:
         context = loss_context() if in_window else None
         if context is None and hook_calls is None:
             if in_window:
-                refuse_stage_hook_logging(name, getattr(self, "_current_fx_name", None))
+                refuse_stage_hook_logging(name, lightning.current_fx_name(self))
             super().log(name, value, *args, **kwargs)  # type: ignore[misc]  # LightningModule.log
             return
         if not isinstance(value, (Tensor, int, float)):
@@ -205,7 +206,7 @@ class NASPipeMixin:
                 "the loss in compute_loss(output, batch), per-subnet work in on_train_subnet_end(index, architecture, "
                 "loss), and what the first block receives in pipeline_input(batch)."
             )
-        if module._trainer is not None:
+        if lightning.is_attached(module):
             validate_run(module.trainer, self)  # before Lightning's own, less fitting, advice
             if module.trainer.state.fn == "fit":  # the callback checked before a finder can swap the callbacks
                 trainer = module.trainer
@@ -217,7 +218,7 @@ class NASPipeMixin:
         ``test``, ``predict`` with ``ckpt_path``); call ``super().on_load_checkpoint(checkpoint)`` when overriding.
         ``load_from_checkpoint`` (no Trainer) loads as its ``strict`` says."""
         module: Any = self
-        if module._trainer is not None:
+        if lightning.is_attached(module):
             check_checkpoint_space(module.trainer, self, checkpoint)
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]  # LightningModule's hook
 

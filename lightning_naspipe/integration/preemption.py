@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.namespaces import Namespace
 
 __all__ = ["SigtermAgreement"]
@@ -49,14 +50,14 @@ class SigtermAgreement:
 
     def install(self, trainer: Any) -> None:
         """Replace Lightning's signal handlers and its per-batch broadcast (private Lightning APIs)."""
-        connector = trainer._signal_connector
+        sigterm, requeue = lightning.signal_handlers(trainer)
         if threading.current_thread() is threading.main_thread():
-            self._defer(signal.SIGTERM, connector._sigterm_notifier_fn, self._note_sigterm, always=True)
-            environment = trainer._accelerator_connector.cluster_environment
+            self._defer(signal.SIGTERM, sigterm, self._note_sigterm, always=True)
+            environment = lightning.cluster_environment(trainer)
             signum = getattr(environment, "requeue_signal", None) or signal.SIGUSR1
-            if self._defer(signum, connector._slurm_sigusr_handler_fn, self._note_requeue):
-                self._requeue, self._requeue_signum = connector._slurm_sigusr_handler_fn, int(signum)
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: self.agree(trainer)
+            if self._defer(signum, requeue, self._note_requeue):
+                self._requeue, self._requeue_signum = requeue, int(signum)
+        lightning.replace_sigterm_broadcast(trainer, lambda: self.agree(trainer))
 
     def _note_sigterm(self) -> None:
         self.requested = True
@@ -100,5 +101,5 @@ class SigtermAgreement:
             self.requeue_requested = False
             self._requeue(self._requeue_signum, None)  # every stage here: its checkpoint save is collective
         if terminate:
-            trainer._signal_connector.received_sigterm = True
+            lightning.mark_sigterm_received(trainer)
             raise self.namespace.pytorch_module("utilities.exceptions").SIGTERMException()

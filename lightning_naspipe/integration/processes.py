@@ -14,18 +14,17 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.affinity import core_share, pin_process
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.namespaces import Namespace
@@ -50,7 +49,7 @@ else:
 _RECEIVE_SPIN_S = 0.005
 
 
-class StageProcesses(_StrategyBase):
+class StageProcesses(lightning.LauncherHook, _StrategyBase):
     """The process half of a parallel strategy with one process per stage; every process sees the whole data.
 
     A mixin for a namespace's ``ParallelStrategy`` (see :mod:`.namespaces`): the launchers and the
@@ -128,31 +127,25 @@ class StageProcesses(_StrategyBase):
         """Which data-parallel replica of its stage this process is (0 with one replica per stage)."""
         return self.layout.replica_of(self.global_rank)
 
-    def _distributed(self) -> Any:
-        assert self._namespace is not None, "bound by the Trainer"
-        return self._namespace.fabric_module("utilities.distributed")
-
-    @override
-    def _configure_launcher(self) -> None:
+    def choose_launcher(self) -> Any:
+        """Lightning's own launchers, as its strategies choose them (see :class:`.compat.lightning.LauncherHook`)."""
         assert self.cluster_environment is not None
         assert self._namespace is not None, "bound by the Trainer"
-        launchers = self._namespace.pytorch_module("strategies.launchers")
         if self.num_processes * self.num_nodes == 1 and not self.cluster_environment.creates_processes_externally:
             # Nothing to launch. Lightning's launchers would also change the intra-op thread count
             # (OMP_NUM_THREADS), and with it the float results of CPU kernels.
-            self._launcher = None
-        elif self._start_method == "popen":
-            self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                                 self.num_nodes)
-        else:
-            self._launcher = launchers._MultiProcessingLauncher(self, start_method=self._start_method)
+            return None
+        if self._start_method == "popen":
+            return lightning.subprocess_launcher(self._namespace, self.cluster_environment, self.num_processes,
+                                                 self.num_nodes)
+        return lightning.multiprocessing_launcher(self._namespace, self, self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         # One rank_zero_only (lightning_utilities') serves both namespaces' rank_zero_* helpers.
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        lightning.set_rank_zero_rank(self.global_rank)
 
     @override
     def setup_environment(self) -> None:
@@ -160,22 +153,18 @@ class StageProcesses(_StrategyBase):
         super().setup_environment()  # the namespace's ParallelStrategy
         if self.local_rank > 0:
             exit_with_parent()
-        self._children = list(getattr(self._launcher, "procs", None) or [])  # Lightning's popen launcher, rank 0
+        self._children = lightning.launched_processes(self)  # Lightning's popen launcher, rank 0
         if self._children:
             atexit.register(reap, self._children)
             delay_observer_kill(_OBSERVER_GRACE_S)
         if self.world_size > 1:
             self._pin_to_cores()  # before the process group starts its threads: they inherit the pinning
-            distributed = self._distributed()
+            assert self._namespace is not None, "bound by the Trainer"
             self.set_world_ranks()
-            backend = self._process_group_backend or distributed._get_default_process_group_backend_for_device(
-                self.root_device)
+            backend = self._process_group_backend or lightning.default_backend(self._namespace, self.root_device)
             self._process_group_backend = backend
             assert self.cluster_environment is not None
-            distributed._init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
-            if backend != "nccl":  # Lightning registers this for NCCL only; an undestroyed gloo group
-                atexit.unregister(distributed._destroy_dist_connection)  # sometimes aborts the process at exit
-                atexit.register(distributed._destroy_dist_connection)  # (once, however many fits)
+            lightning.init_process_group(self._namespace, self.cluster_environment, backend, self.timeout)
 
     def _pin_to_cores(self) -> None:
         """On CPU, pin this stage process to its own share of the cores (see :mod:`.affinity`)."""
@@ -206,7 +195,8 @@ class StageProcesses(_StrategyBase):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return self._distributed()._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            assert self._namespace is not None, "bound by the Trainer"
+            return lightning.sync_ddp(self._namespace, tensor, group, reduce_op)
         return tensor
 
     @override
@@ -274,17 +264,15 @@ def delay_observer_kill(grace_s: float) -> None:
     Lightning class, found by its thread name) waits ``grace_s`` first: it is left the backstop for
     a process that hangs.
     """
-    for thread in threading.enumerate():
-        terminate = getattr(thread, "_terminate_all", None)
-        if thread.name != "child-process-observer" or terminate is None or getattr(thread, "_naspipe_delayed", False):
-            continue
 
-        def delayed(terminate: Any = terminate) -> None:
+    def delay(terminate: Callable[[], None]) -> Callable[[], None]:
+        def delayed() -> None:
             time.sleep(grace_s)  # a daemon thread: it ends with this process if rank 0 exits first
             terminate()
 
-        thread._terminate_all = delayed  # type: ignore[attr-defined]
-        thread._naspipe_delayed = True  # type: ignore[attr-defined]
+        return delayed
+
+    lightning.wrap_process_observers(delay)
 
 
 def wait_for_exit(children: Sequence[subprocess.Popen[bytes]], grace_s: float) -> list[subprocess.Popen[bytes]]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.data import DataTracker
 from lightning_naspipe.namespaces import namespace_of
 
@@ -58,7 +59,7 @@ def count_subnets(bar: object, tracker: DataTracker) -> bool:
     bar_class = type(bar)
     if bar_class not in _COUNTING:
         _COUNTING[bar_class] = types.new_class(f"SubnetCounting{bar_class.__name__}", (SubnetProgress, bar_class))
-    bar.__class__ = _COUNTING[bar_class]
+    lightning.swap_class(bar, _COUNTING[bar_class])
     bar._naspipe_tracker = tracker
     return True
 

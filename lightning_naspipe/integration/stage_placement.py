@@ -16,6 +16,7 @@ from typing import Any
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.binding import NamespaceBinding
 from lightning_naspipe.transport.distributed import (drop_foreign_state, gather_objects, gather_optimizer_state,
                                                      sync_stage_weights)
@@ -107,6 +108,7 @@ class StagePlacement(NamespaceBinding):
         assert self.lightning_module is not None
         own = range(0) if self.offload else self.engine.blocks if self.engine is not None else None
         place_module(self.lightning_module, supernet_of(self.lightning_module), own, self.root_device)
+        lightning.set_module_device(self.lightning_module, self.root_device)  # what its device property reads
 
     def _owned(self) -> set[int]:
         assert self.engine is not None
@@ -134,7 +136,7 @@ class StagePlacement(NamespaceBinding):
         if self.layout.stages > 1 and self.optimizers:
             # The optimizer state too, so that a later validate/test/predict (which splits the blocks anew, by
             # parameters) or another layout loses none of a block the timed split had moved.
-            inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
+            inner = lightning.wrapped_optimizer(self.optimizers[0])
             inner.load_state_dict(gather_optimizer_state(inner, self._owned(), self.root_device))
         supernet_of(self.lightning_module).local_blocks = None  # whole again
         self._whole = True
@@ -150,7 +152,7 @@ class StagePlacement(NamespaceBinding):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        inner: Optimizer = getattr(optimizer, "_optimizer", optimizer)
+        inner: Optimizer = lightning.wrapped_optimizer(optimizer)
         if self._whole:  # one stage, or outside a fit's training: every rank holds all of it
             return inner.state_dict()
         with saving_is_collective():

@@ -22,6 +22,7 @@ import math
 import types
 from typing import TYPE_CHECKING, Any
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.data import WindowLoader
 
 if TYPE_CHECKING:  # checked against one namespace's Trainer; at run time mixed into either's
@@ -68,7 +69,7 @@ def count_subnet_steps(trainer: Any) -> Any:
         counting = types.new_class(cls.__name__, (SubnetSteps, cls))
         counting.__module__ = __name__
         _COUNTING[cls], _ORIGINAL[counting] = counting, cls
-    trainer.__class__ = _COUNTING[cls]
+    lightning.swap_class(trainer, _COUNTING[cls])
     return trainer
 
 
@@ -77,4 +78,4 @@ def stop_counting_subnet_steps(trainer: Any) -> None:
     as its own class again."""
     original = _ORIGINAL.get(type(trainer))
     if original is not None:
-        trainer.__class__ = original
+        lightning.swap_class(trainer, original)

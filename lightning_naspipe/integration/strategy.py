@@ -20,6 +20,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.arguments import check_all
 from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
 from lightning_naspipe.integration.binding import bind_classes
@@ -216,6 +217,8 @@ class NASPipeStrategy(PipelineBuilding):
 
     @override
     def setup(self, trainer: Any) -> None:
+        assert self._namespace is not None, "bound by the Trainer"
+        lightning.require_internals(self._namespace)  # before any collective: refuse, naming what is missing
         supernet = supernet_of(self.lightning_module)
         example = getattr(self.lightning_module, "supernet_example_input", None)
         if self.num_stages == "auto":  # one stage per process until the first training batch chooses
@@ -389,8 +392,8 @@ class NASPipeStrategy(PipelineBuilding):
         check_batch_sizes(dataloader, self.chunks, supernet_of(self.lightning_module), training)
         if trainer is None or not training:
             return dataloader
-        # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window (a private attribute).
-        triggers = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
+        # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window.
+        triggers = [n for c in trainer.checkpoint_callbacks if (n := lightning.every_n_train_steps(c)) > 0]
         # limit_train_batches (and overfit_batches, which sets it) counts the user's batches here; Lightning,
         # which would count windows, is told to take the whole (window) loader. Restored at teardown.
         if self._train_limit is None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
+from lightning_naspipe.compat.torch import pytree
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.latency import batch_size_of, device_name, time_module
 
@@ -97,7 +97,7 @@ def _export(module: nn.Module, example_input: Any) -> tuple[Any, bool]:
     with torch.no_grad():
         try:
             # AUTO: dynamic where the module allows it, specialised (not an error) where it does not.
-            dims = tree_map(lambda v: {0: torch.export.Dim.AUTO} if isinstance(v, Tensor) and v.dim() else None,
+            dims = pytree.tree_map(lambda v: {0: torch.export.Dim.AUTO} if isinstance(v, Tensor) and v.dim() else None,
                             args)
             return torch.export.export(module, args, dynamic_shapes=dims), True
         except Exception:  # noqa: BLE001 - a module export cannot make dynamic: export it for this shape

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lightning_naspipe.compat.torch import pytree
 from lightning_naspipe.space.supernet import BlockValue
 CONTIGUOUS, CHANNELS_LAST = 0, 1
 

@@ -25,6 +25,7 @@ from typing import NoReturn, Union
 
 from torch import nn
 
+from lightning_naspipe.compat.torch import module_buffers
 from lightning_naspipe.errors import NASPipeConfigError
 
 Architecture = dict[str, int]
@@ -326,7 +327,7 @@ class Scope:
 
     def tensor_ids(self) -> set[int]:
         """Identity of every tensor this scope owns."""
-        return {id(p) for p in self.params} | {id(m._buffers[n]) for m, n in self.buffers}
+        return {id(p) for p in self.params} | {id(module_buffers(m)[n]) for m, n in self.buffers}
 
     def walk(self) -> Iterator[Scope]:
         """This scope and every scope below it."""
@@ -381,7 +382,7 @@ def _fill(scope: Scope, module: nn.Module, seen: set[int]) -> None:
     if isinstance(module, Elastic):  # its labels are read here; its tensors are this scope's, whatever the choice
         scope.choices += [(dim.label, [], []) for dim in module.dims.values() if dim.label is not None]
     scope.params += [p for p in module.parameters(recurse=False) if all(p is not q for q in scope.params)]
-    scope.buffers += [(module, n) for n, b in module._buffers.items() if b is not None]
+    scope.buffers += [(module, n) for n, b in module_buffers(module).items() if b is not None]
     for child in module.children():
         if isinstance(child, (ChoiceBlock, When)):
             j = len(scope.choices)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_naspipe.compat.torch import BatchNormBase, module_children
 from lightning_naspipe.space.choice import ChoiceBlock, Elastic, When
 
 if TYPE_CHECKING:
@@ -88,9 +88,9 @@ def _resolve(module: nn.Module, architecture: Mapping[str, int], done: dict[int,
         return _resolve(module.body, architecture, done) if _is_active(module, architecture) else Inactive()
     if id(module) in done:
         return done[id(module)]
-    for name, child in list(module._modules.items()):
+    for name, child in list(module_children(module).items()):
         if child is not None:
-            module._modules[name] = _resolve(child, architecture, done)
+            module_children(module)[name] = _resolve(child, architecture, done)
     if isinstance(module, Elastic):  # the smaller module with copies of the slices this architecture uses
         done[id(module)] = module.freeze_choice(architecture)
         return done[id(module)]
@@ -113,7 +113,7 @@ def recalibrate_batchnorm(module: nn.Module, batches: Iterable[Any],
     Returns:
         ``module``.
     """
-    norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    norms = [m for m in module.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
     if not norms:
         return module
     was_training = module.training

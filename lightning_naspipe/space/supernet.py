@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from lightning_naspipe.compat.torch import module_buffers, pytree
 from lightning_naspipe.space.choice import (Architecture, ChoiceBlock, Elastic, Scope, When, active_architecture,
                                             block_scope)
 from lightning_naspipe.errors import NASPipeConfigError
@@ -49,7 +49,7 @@ class ResourceState:
 
     def tensors(self) -> list[Tensor]:
         """Its parameters and the buffers in its slots now (a slot may hold ``None``)."""
-        buffers = (module._buffers[name] for module, name in self.buffers)
+        buffers = (module_buffers(module)[name] for module, name in self.buffers)
         return [*self.params, *(b for b in buffers if b is not None)]
 
 

@@ -14,21 +14,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
+from lightning_naspipe.compat.torch import default_store as default_store  # the store, or None
 
 _PREFIX = "lightning_naspipe/failed"
 # Every stage process builds its transports in the same order, so the n-th board of each process
 # belongs to the same run and a later fit never reads an earlier one's posts.
 _boards = itertools.count()
-
-
-def default_store() -> Any:
-    """The default process group's store, or ``None`` (private torch API; see docs/design.md)."""
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return getter() if getter is not None and dist.is_initialized() else None
-    except (RuntimeError, ValueError):
-        return None
 
 
 class FailureBoard:

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lightning_naspipe.compat.torch import pytree
 from lightning_naspipe.space.boundary import CHANNELS_LAST, flat_tensors, laid_out, layout_of
 from lightning_naspipe.space.supernet import BlockValue
 

@@ -37,12 +37,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_naspipe.compat.torch import route_clip_grad_functions
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange, StageNorms, local_norms
 from lightning_naspipe.namespaces import namespace_of
 from lightning_naspipe.pipeline.runtime.optim import flat_positions
 
-__all__ = ["UpdateClipping", "clips", "clips_by_norm", "hide_from_validator", "install", "restore"]
+__all__ = ["UpdateClipping", "clips", "clips_by_norm", "hide_from_validator", "install", "restore",
+           "use_precision_hooks"]
 
 _HIDDEN: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
@@ -125,7 +127,7 @@ class UpdateClipping:
 def _clipping_hook(module: Any) -> Iterator[None]:
     """Lightning's automatic-optimization call to ``configure_gradient_clipping`` for one optimizer step."""
     plugin = module.trainer.precision_plugin
-    if not callable(getattr(type(plugin), "_clip_gradients", None)):
+    if not _PRECISION["has"](plugin):
         raise NASPipeConfigError(_LIGHTNING_CHANGED.format(type(plugin).__name__, "has no _clip_gradients"))
     calls = []
 
@@ -134,18 +136,23 @@ def _clipping_hook(module: Any) -> Iterator[None]:
         model.configure_gradient_clipping(optimizer, gradient_clip_val=clip_val,
                                           gradient_clip_algorithm=gradient_clip_algorithm)
 
-    shadowed = plugin.__dict__.get("_clip_gradients")
-    plugin._clip_gradients = clip_gradients  # this instance only, for this step
-    try:
+    with _PRECISION["replaced"](plugin, clip_gradients):  # this instance only, for this step
         yield
-    finally:
-        if shadowed is None:
-            del plugin._clip_gradients
-        else:
-            plugin._clip_gradients = shadowed
     if not calls:
         raise NASPipeConfigError(_LIGHTNING_CHANGED.format(type(plugin).__name__,
                                                            "did not call _clip_gradients in the optimizer step"))
+
+
+#: The precision plugin's clipping call, reached through the Lightning glue (the pipeline imports no Lightning
+#: internals): ``has(plugin)``, whether it has one; ``replaced(plugin, clip)``, a context calling ``clip`` there.
+_PRECISION: dict[str, Any] = {}
+
+
+def use_precision_hooks(has: Callable[[Any], bool], replaced: Callable[[Any, Callable[..., None]],
+                                                                   contextlib.AbstractContextManager[None]]) -> None:
+    """Set how :class:`UpdateClipping` reaches the precision plugin's clipping call (the Lightning glue's
+    :func:`lightning_naspipe.compat.lightning.has_clip_gradients` and ``replaced_clip_gradients``)."""
+    _PRECISION.update(has=has, replaced=replaced)
 
 
 _LIGHTNING_CHANGED = (
@@ -233,11 +240,8 @@ def install() -> None:
     """Route ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` through NASPipe during a
     subnet's update on several stages (elsewhere they call torch's own). Idempotent; a name imported
     before this (``from torch.nn.utils import clip_grad_norm_``) keeps torch's function."""
-    utils, module = torch.nn.utils, torch.nn.utils.clip_grad
-    if utils.clip_grad_norm_ is _clip_grad_norm_:
+    originals = route_clip_grad_functions(_clip_grad_norm_, _clip_grad_value_)
+    if originals is None:
         return
-    _TORCH.update(norm=utils.clip_grad_norm_, value=utils.clip_grad_value_)
+    _TORCH.update(norm=originals[0], value=originals[1])
     _clip_grad_norm_.__doc__, _clip_grad_value_.__doc__ = _TORCH["norm"].__doc__, _TORCH["value"].__doc__
-    for owner in (utils, module):
-        setattr(owner, "clip_grad_norm_", _clip_grad_norm_)
-        setattr(owner, "clip_grad_value_", _clip_grad_value_)

@@ -28,12 +28,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import (  # private torch API: what clip_grad_norm_ itself calls
-    _device_has_foreach_support,
-    _group_tensors_by_device_and_dtype,
-    _has_foreach_support,
-)
 
+from lightning_naspipe.compat.torch import (device_has_foreach_support, foreach_norm, group_tensors_by_device_and_dtype,
+                                           has_foreach_support)
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.transport.wire import CODE, DTYPES
 
@@ -49,12 +46,12 @@ def local_norms(grads: Sequence[Tensor], norm_type: float, foreach: bool | None)
     if not grads:
         return []
     norms: list[Tensor] = [torch.empty(0)] * len(grads)
-    grouped = _group_tensors_by_device_and_dtype([list[Tensor | None](grads)], with_indices=True)
+    grouped = group_tensors_by_device_and_dtype([list[Tensor | None](grads)], with_indices=True)
     for (device, _), ([group], indices) in grouped.items():
         tensors = [t for t in group if t is not None]  # all of them: the first list holds no None
-        if (foreach is None and _has_foreach_support(tensors, device)) or (
-                foreach and _device_has_foreach_support(device)):
-            found = list(torch._foreach_norm(tensors, norm_type))
+        if (foreach is None and has_foreach_support(tensors, device)) or (
+                foreach and device_has_foreach_support(device)):
+            found = foreach_norm(tensors, norm_type)
         elif foreach:
             raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
         else:
@@ -74,7 +71,7 @@ def total_norm(values: Tensor, dtypes: Sequence[torch.dtype], norm_type: float) 
         stacked = values.to(dtypes[0])  # what torch.stack of the 0-dim norms gives, in one op
     else:  # the same (device, dtype) keys in the same order group alike
         norms = list[Tensor | None](v.to(d) for v, d in zip(values, dtypes))
-        grouped = _group_tensors_by_device_and_dtype([norms], with_indices=True)
+        grouped = group_tensors_by_device_and_dtype([norms], with_indices=True)
         stacked = torch.stack([norms[i] for _, (_, indices) in grouped.items() for i in indices])  # type: ignore[misc]
     total: Tensor = torch.linalg.vector_norm(stacked, norm_type)
     return total

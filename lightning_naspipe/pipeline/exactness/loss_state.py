@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_naspipe.compat.torch import tensor_version
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.supernet import supernet_of
 
@@ -34,7 +35,7 @@ class OutsideState:
         """The watched attributes (by value, tensors by identity) and the buffers' version counters."""
         attributes = {name: value for name, value in vars(self.module).items()
                       if not name.startswith("_") and isinstance(value, _WATCHED)}
-        return attributes, [buffer._version for _, buffer in self.buffers]
+        return attributes, [tensor_version(buffer) for _, buffer in self.buffers]
 
     def changed(self, before: tuple[dict[str, Any], list[int]]) -> list[str]:
         """What changed since ``before`` (attribute and buffer names)."""
@@ -43,7 +44,7 @@ class OutsideState:
         names = [name for name in attributes.keys() | now.keys()
                  if name not in attributes or name not in now or not _same(attributes[name], now[name])]
         names += [name for (name, buffer), version in zip(self.buffers, versions)
-                  if buffer._version != version or self.module.get_buffer(name) is not buffer]
+                  if tensor_version(buffer) != version or self.module.get_buffer(name) is not buffer]
         return sorted(names)
 
     def refuse_changes(self, before: tuple[dict[str, Any], list[int]]) -> None:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_naspipe.compat.torch import tensor_version
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm2d
 from lightning_naspipe.transport.failures import FailureBoard
@@ -150,14 +151,14 @@ class ReplicaUpdates:
     @contextlib.contextmanager
     def forward(self, index: int, chunk: int) -> Iterator[None]:
         """Around subnet ``index``'s training forward of micro-batch ``chunk`` on this stage."""
-        versions = [b._version for _, b in self._others]
+        versions = [tensor_version(b) for _, b in self._others]
         self._current = (index, chunk)
         try:
             yield
         finally:
             self._current = None
         for (what, buffer), version in zip(self._others, versions):
-            if buffer._version != version:
+            if tensor_version(buffer) != version:
                 raise NASPipeConfigError(
                     f"{what} changed in a training forward. With several replicas per stage, NASPipe reproduces the "
                     "one-device order of the supernet's BatchNorm running statistics only; keep other buffers "

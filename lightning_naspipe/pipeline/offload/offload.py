@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_naspipe.compat.torch import module_buffers
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.space.supernet import ResourceState
 from lightning_naspipe.pipeline.offload.swapping import AsyncCopier, Ready, SwappedResource, nbytes
@@ -210,7 +211,7 @@ def estimated_bytes(state: ResourceState, optimizer: Optimizer | None) -> int:
     """Device bytes a resource needs while in flight: parameters, their gradients and optimizer
     state, and buffers. Computed from shapes only, so every stage process gets the same number."""
     params = sum(p.numel() * p.element_size() for p in state.params)
-    unique = {id(m._buffers[n]): m._buffers[n] for m, n in state.buffers}
+    unique = {id(module_buffers(m)[n]): module_buffers(m)[n] for m, n in state.buffers}
     buffers = sum(b.numel() * b.element_size() for b in unique.values() if b is not None)
     return params * (2 + optimizer_state_factor(optimizer)) + buffers
 

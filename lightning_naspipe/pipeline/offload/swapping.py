@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_naspipe.compat.torch import module_buffers
 from lightning_naspipe.space.supernet import ResourceState
 
 #: What an asynchronous copy hands back: done when it is.
@@ -47,13 +48,13 @@ class SwappedResource:
     def of(cls, state: ResourceState) -> SwappedResource:
         slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
         for m, n in state.buffers:
-            slots.setdefault(id(m._buffers[n]), []).append((m, n))
+            slots.setdefault(id(module_buffers(m)[n]), []).append((m, n))
         return cls(params=list(state.params), buffers=list(slots.values()))
 
     def tensors(self, optimizer: Optimizer | None) -> list[Tensor]:
         """The current tensors: parameters, buffers, then optimizer state, in a fixed order."""
         out: list[Tensor] = [p.data for p in self.params]
-        out += [group[0][0]._buffers[group[0][1]] for group in self.buffers]  # type: ignore[misc]
+        out += [module_buffers(group[0][0])[group[0][1]] for group in self.buffers]  # type: ignore[misc]
         for p in self.params:
             out += [v for _, v in _state_items(optimizer, p)]
         return out
@@ -66,7 +67,7 @@ class SwappedResource:
         for group in self.buffers:
             tensor = next(it)
             for m, n in group:
-                m._buffers[n] = tensor
+                module_buffers(m)[n] = tensor
         for p in self.params:
             state = optimizer.state[p] if optimizer is not None and p in optimizer.state else {}
             for k, _ in _state_items(optimizer, p):

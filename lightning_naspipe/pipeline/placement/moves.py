@@ -38,7 +38,8 @@ def first_blocks(blocks: Sequence[nn.Module]) -> dict[int, int]:
 
 def place_module(module: nn.Module, supernet: Supernet, own: Sequence[int] | None, device: torch.device) -> None:
     """Put the stage's ``own`` blocks (all when ``None``) and everything of ``module`` outside the supernet
-    on ``device``; the other blocks stay where the user built them."""
+    on ``device``; the other blocks stay where the user built them. (The caller sets what a LightningModule's
+    ``device`` reports: the pipeline reaches no Lightning internals.)"""
     for i, block in enumerate(supernet.blocks):
         if own is None or i in own:
             block.to(device)
@@ -47,7 +48,6 @@ def place_module(module: nn.Module, supernet: Supernet, own: Sequence[int] | Non
             child.to(device)
     for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
         tensor.data = tensor.data.to(device)
-    module._device = device  # type: ignore[assignment]  # LightningModule's device property reads it
 
 
 def move_blocks(supernet: Supernet, optimizer: Optimizer | None, old: Sequence[range], new: Sequence[range],

@@ -17,42 +17,12 @@ between two batches would see another value. Generators the user creates (``np.r
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import random
 import sys
 from collections.abc import Iterator
 from typing import Any
 
-_MT19937_BYTES = 624 * 4 + 4  # numpy/random/src/mt19937/mt19937.h: uint32_t key[624]; int pos
-# CPython's Modules/_randommodule.c: RandomObject is PyObject_HEAD, int index, uint32_t state[624]. Copying those
-# bytes takes ~1 us where getstate/setstate build and parse a 625-int tuple (~15 us); checked before use.
-_PY_OFFSET, _PY_BYTES = object.__basicsize__, 4 + 624 * 4
-
-
-def _raw_python_state_works() -> bool:
-    """Whether Python's generators keep their state where :data:`_PY_OFFSET` says (checked on two throwaway ones)."""
-    import _random
-
-    if sys.implementation.name != "cpython" or _random.Random.__basicsize__ < _PY_OFFSET + _PY_BYTES:
-        return False
-    source, target = random.Random(1), random.Random(2)
-    saved = ctypes.string_at(id(source) + _PY_OFFSET, _PY_BYTES)
-    expected = [source.random() for _ in range(700)]  # past a regeneration of the 624 words
-    ctypes.memmove(id(target) + _PY_OFFSET, saved, _PY_BYTES)
-    return [target.random() for _ in range(700)] == expected
-
-
-_RAW_PYTHON_STATE = _raw_python_state_works()
-
-
-def _numpy_state_address() -> int | None:
-    """Where NumPy's global MT19937 keeps its state; ``None`` while NumPy is not imported (nothing can draw)."""
-    numpy: Any = sys.modules.get("numpy")
-    if numpy is None:
-        return None
-    bit_generator = numpy.random.mtrand._rand._bit_generator
-    return int(bit_generator.ctypes.state_address)
-
+from lightning_naspipe.compat.python import (numpy_state, numpy_state_address, python_generator, python_state,
+                                            set_numpy_state, set_python_state)
 
 #: What :func:`seed_host_generators` saved: Python's state and cached Gaussian, NumPy's state address and bytes.
 Saved = tuple[Any, Any, "int | None", bytes]
@@ -61,10 +31,9 @@ Saved = tuple[Any, Any, "int | None", bytes]
 def seed_host_generators(seed: int) -> Saved:
     """Seed Python's ``random`` and NumPy's global generator from ``seed``; what :func:`restore_host_generators`
     needs to put them back (a pair of calls, not a context manager: this runs once per block and micro-batch)."""
-    python: Any = random._inst  # what random.random() and the module's other functions draw from
-    saved: Saved = (ctypes.string_at(id(python) + _PY_OFFSET, _PY_BYTES) if _RAW_PYTHON_STATE else python.getstate(),
-                    python.gauss_next, address := _numpy_state_address(),
-                    ctypes.string_at(address, _MT19937_BYTES) if address is not None else b"")
+    python = python_generator()  # what random.random() and the module's other functions draw from
+    saved: Saved = (python_state(python), python.gauss_next, address := numpy_state_address(),
+                    numpy_state(address) if address is not None else b"")
     python.seed(seed)
     if address is not None:
         sys.modules["numpy"].random.seed(seed & 0xFFFFFFFF)
@@ -73,16 +42,11 @@ def seed_host_generators(seed: int) -> Saved:
 
 def restore_host_generators(saved: Saved) -> None:
     """Put back what :func:`seed_host_generators` saved."""
-    python_state, gauss_next, address, numpy_state = saved
-    python: Any = random._inst
-    if _RAW_PYTHON_STATE:
-        ctypes.memmove(id(python) + _PY_OFFSET, python_state, _PY_BYTES)
-        python.gauss_next = gauss_next
-    else:
-        python.setstate(python_state)
+    state, gauss_next, address, raw = saved
+    set_python_state(python_generator(), state, gauss_next)
     if address is not None:
         sys.modules["numpy"].random.seed(0)  # clears a Gaussian the body left cached (the state is put back next)
-        ctypes.memmove(address, numpy_state, _MT19937_BYTES)
+        set_numpy_state(address, raw)
 
 
 @contextlib.contextmanager
