@@ -93,6 +93,7 @@ def test_checkpoint_is_a_normal_lightning_checkpoint(tmp_path: Path) -> None:
     plain_trainer = pl.Trainer(**trainer_kwargs(max_steps=14))
     plain_trainer.fit(plain, toy_loader(), ckpt_path=ckpt)
     assert plain_trainer.global_step == 14
+    assert sorted(plain.losses) == [10, 11, 12, 13]  # a fit from scratch would also end at 14, training 0..13
 
 
 
@@ -201,8 +202,10 @@ def test_a_checkpoint_without_a_fingerprint_resumes_as_before(tmp_path: Path,
     torch.save(raw, ckpt)
     monkeypatch.setenv("LNP_TEST_EXTRA_CANDIDATE", "1")
     trainer = pl.Trainer(**trainer_kwargs(max_steps=8, strategy=lnp.NASPipeStrategy(window=4)))
-    trainer.fit(ToyNet(), toy_loader(), ckpt_path=ckpt)
+    model = ToyNet()
+    trainer.fit(model, toy_loader(), ckpt_path=ckpt)
     assert trainer.global_step == 8
+    assert sorted(model.losses) == [4, 5, 6, 7]  # resumed at 4: a fit from scratch would also end at 8
 
 
 def test_validating_a_checkpoint_of_another_space_is_refused_unless_strict_loading_is_off(

@@ -103,7 +103,7 @@ def test_engine_matches_hand_written_sequential_loop(window: int, chunks: int) -
 
     for (name, a), b in zip(ref_net.state_dict().items(), module.supernet.state_dict().values()):
         assert torch.equal(a, b), name
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
     state = module.optimizer.state_dict()["state"]
     assert state.keys() == ref_optim["state"].keys()
     for key in state:

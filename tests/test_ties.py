@@ -205,7 +205,7 @@ def test_tied_choices_lookahead_and_deferred_weight_gradients_on_stages_equal_on
     reference, ref_losses = one_device(net, data, chunks)
     engines: list[Engine] = []
     modules, losses = pipelined(net, ranges, data, 4, chunks, defer=True, engines=engines)
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
     assert_owners_equal(reference, modules, ranges)
     assert engines[0].forwards_ahead > 0
     uses = {(a["embed"] == 0, a["head"] == 0) for a in (modules[0].sample_subnet(i) for i in range(16))}
@@ -220,7 +220,7 @@ def test_several_blocks_reading_the_tied_weight_on_later_stages(ranges: list[ran
     net, data = gpt(mix_at=3), batches(8)
     reference, ref_losses = one_device(net, data, chunks)
     modules, losses = pipelined(net, ranges, data, 4, chunks)
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
     assert_owners_equal(reference, modules, ranges)
 
 
@@ -232,7 +232,7 @@ def test_offloaded_stages_equal_one_device() -> None:
     ranges = [range(0, 2), range(2, 5), range(5, 7)]
     engines: list[Engine] = []
     modules, losses = pipelined(net, ranges, data, 4, 2, engines=engines, offload=True)
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
     assert_owners_equal(reference, modules, ranges)
     assert all(e.offloader is not None and e.offloader.stats.prefetch_hits + e.offloader.stats.prefetch_misses > 0
                for e in engines)
@@ -259,7 +259,7 @@ def test_stages_sharing_one_module_equal_one_device() -> None:
     reference, ref_losses = one_device(net, data, 2)
     module = GPTModule(copy.deepcopy(net))
     losses = train_pipelined(module, [range(0, 2), range(2, 4), range(4, 6)], data, 4, 2)  # type: ignore[arg-type]
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
     for (name, a), b in zip(reference.supernet.state_dict().items(), module.supernet.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -271,7 +271,7 @@ def test_norm_clipping_counts_the_tied_weight_once_at_its_owner() -> None:
     assert not torch.equal(reference.supernet.blocks[0].embedding.weight, unclipped.supernet.blocks[0].embedding.weight)
     ranges = [range(0, 2), range(2, 4), range(4, 6)]
     modules, losses = pipelined(net, ranges, data, 4, 1, clip=True)
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
     assert_owners_equal(reference, modules, ranges)
 
 

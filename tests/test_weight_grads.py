@@ -121,7 +121,7 @@ def test_a_block_that_does_not_split_runs_one_pass_after_the_blocks_behind_it(od
     expected = chain(one_pass, x, None, grads)
     deferred = DeferredWeights()
     got = chain(blocks, x, deferred, grads)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
     assert len(deferred) == 1  # the first block; any block after the odd one ran before its single pass
     deferred.run()
     for block, reference in zip(blocks, one_pass):
