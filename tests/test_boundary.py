@@ -155,6 +155,7 @@ def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...], where: str) -> None:
     assert len(a[2]) == len(b[2]) and all(torch.equal(x, y) for x, y in zip(a[2], b[2])), f"{where}: losses"
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), chunks=st.sampled_from([1, 2]), defer=st.sampled_from([None, True, False]))
 def test_every_cut_gives_the_one_stage_result(seed: int, chunks: int, defer: bool | None) -> None:

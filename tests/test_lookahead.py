@@ -66,6 +66,7 @@ def runs(draw: st.DrawFn) -> tuple[list[Res], int, frozenset[tuple[int, int]]]:
     return windows, chunks, buffers
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs(), st.booleans())
 def test_property_rolled_steps_are_one_valid_schedule(run: tuple[list[Res], int, frozenset[tuple[int, int]]],

@@ -132,6 +132,7 @@ def test_simulate_validates_its_arguments() -> None:
     assert [p.stages for p in plan(spec, window=4)] == [1, 2, 4]  # 8..64 exceed the 5 blocks
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 def test_cli_prints_a_table() -> None:
     done = subprocess.run([sys.executable, "-m", "lightning_naspipe", "plan", "--wide", "8", "--batch-size", "32"],
                           capture_output=True, text=True, timeout=120, check=True)
@@ -192,6 +193,7 @@ def test_plan_by_stage_count_takes_steps_of_several_subnets_too() -> None:
         plan(spec, (1,), 8, subnets_per_step=0)
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 def test_cli_plans_steps_of_several_subnets_at_the_strategys_window() -> None:
     """``--subnets-per-step 4`` opens the 2-replica layout of 2 processes at chunks 1 (``Sandwich(2)``), says that the
     rates count steps, and plans at window 8, ``NASPipeStrategy``'s default; 0 is a usage error."""
@@ -207,6 +209,7 @@ def test_cli_plans_steps_of_several_subnets_at_the_strategys_window() -> None:
     assert refused.returncode == 2 and "--subnets-per-step must be >= 1" in refused.stderr
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 def test_cli_predicts_every_layout_and_names_the_best() -> None:
     done = subprocess.run([sys.executable, "-m", "lightning_naspipe", "plan", "--wide", "8", "--processes", "4",
                            "--chunks", "4"], capture_output=True, text=True, timeout=120, check=True)

@@ -249,6 +249,7 @@ def _assert_valid(sched: Schedule, res: Res, chunks: int) -> None:
             assert order.index(U(k)) < order.index(F(i, 0))
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(windows(), st.booleans(), st.integers(0, 2))
 def test_property_schedules_are_valid(window: tuple[Res, int], weighted: bool, latency: int) -> None:
@@ -286,6 +287,7 @@ def test_property_matches_literal_reference(window: tuple[Res, int], weighted: b
     assert dict(sched.start) == reference(res, chunks, cost)
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(windows(), st.booleans(), st.integers(0, 2))
 def test_property_schedules_with_norm_exchange_are_valid_and_never_deadlock(

@@ -90,6 +90,7 @@ def tied_windows(draw: st.DrawFn, max_n: int = 16, max_stages: int = 5) -> tuple
     return with_ties(res, ties), chunks, ties
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tied_windows(), st.booleans(), st.integers(0, 2), st.booleans())
 def test_property_tied_values_are_fresh_and_replay_never_deadlocks(window: tuple[Res, int, Ties], weighted: bool,
@@ -108,6 +109,7 @@ def tied_runs(draw: st.DrawFn) -> tuple[list[Res], int, Ties]:
     return [res[a:b] for a, b in zip(bounds, bounds[1:]) if b > a], chunks, ties
 
 
+@pytest.mark.slow  # thousands of examples or a fresh interpreter: the full suite runs it, not the inner loop
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tied_runs(), st.booleans())
 def test_property_lookahead_keeps_tied_values_fresh(run: tuple[list[Res], int, Ties], norms: bool) -> None:
