@@ -148,12 +148,16 @@ def streamed_sum(links: ChainLinks, addends: Sequence[Sequence[Tensor]], templat
             if replica > 0:
                 links.send_previous(piece)
 
-    for k, ((d, start, stop), spans) in enumerate(zip(cuts, _spans(slots, dtypes, templates, cuts))):
-        piece = (torch.empty(stop - start, dtype=dtypes[d], device=device) if replica == 0
-                 else links.recv_previous())
-        for p, lo, hi in spans:
+    if replica == 0:  # one copy into flat buffers, then each piece a view: no allocation per piece
+        starts = {dtype: torch.cat([own[0] if own else torch.empty(t.numel(), dtype=dtype, device=device)
+                                    for own, t in zip(flat, templates) if t.dtype == dtype]) for dtype in dtypes}
+    spans = _spans(slots, dtypes, templates, cuts)
+    for k, ((d, start, stop), spanned) in enumerate(zip(cuts, spans)):
+        piece = starts[dtypes[d]][start:stop] if replica == 0 else links.recv_previous()
+        for p, lo, hi in spanned:
             view, offset, began = piece[lo - start:hi - start], slots[p][1], prefix[p]
-            for part in flat[p]:  # this piece's share of the one-device sum of the parameter, in its order
+            # this piece's share of the one-device sum of the parameter, in its order (replica 0's is in place)
+            for part in flat[p][1 if replica == 0 else 0:]:
                 if began:
                     view.add_(part[lo - offset:hi - offset])
                 else:
@@ -168,10 +172,15 @@ def streamed_sum(links: ChainLinks, addends: Sequence[Sequence[Tensor]], templat
                 links.send_previous(piece)
     back(len(cuts))
     assert final is not None
-    buffers = {dtype: torch.cat([s for s, (d, _, _) in zip(summed, cuts) if dtypes[d] == dtype]) if n else
-               torch.empty(0, dtype=dtype, device=device) for dtype, n in sizes.items()}
-    return [buffers[dtype][start:start + t.numel()].view(t.shape) if here else None
-            for (dtype, start), t, here in zip(slots, templates, final.tolist())]
+    # Each gradient a view of the piece holding it, or the pieces' slices joined where it straddles some.
+    parts: list[list[Tensor]] = [[] for _ in templates]
+    for piece, (_, start, _), spanned in zip(summed, cuts, spans):
+        for p, lo, hi in spanned:
+            parts[p].append(piece[lo - start:hi - start])
+    return [None if not here else (parts[p][0] if len(parts[p]) == 1 else
+                                   torch.cat(parts[p]) if parts[p] else torch.empty(0, dtype=t.dtype, device=device)
+                                   ).view(t.shape)
+            for p, (t, here) in enumerate(zip(templates, final.tolist()))]
 
 
 def _spans(slots: Sequence[tuple[torch.dtype, int]], dtypes: Sequence[torch.dtype], templates: Sequence[Tensor],
