@@ -15,17 +15,22 @@ change the bits. Here the replicas of a stage each train a contiguous share of t
   contribution a later stage sends for a tied weight), and ``(prefix + a) + b`` is not ``prefix + (a + b)``.
   The engine calls :meth:`ReplicaUpdates.collect` after each such accumulation;
 * the last replica's sum is the one-device gradient, bit for bit; it goes back to every replica, so all
-  of them step the same parameters with the same gradient.
+  of them step the same parameters with the same gradient. Each element's additions are the same in
+  every piece of :mod:`.streamed`, so cutting the gradients into pieces changes no bit.
 
 BatchNorm in training computes its output from the batch's statistics, so only its running statistics
 depend on the order. Replica 0 updates them as one device does; a later replica keeps each BatchNorm
 input of its micro-batches and, once it has the running statistics the replica before it ended with,
 replays the update with the forward's own call (``F.batch_norm``, so the same kernel), micro-batch by micro-batch.
 
-Cost per subnet update and stage: ``D - 1`` chained messages of the subnet's gradients and BatchNorm
-buffers on this stage, and ``D - 1`` back from the last replica; a later replica holds one gradient copy
-per micro-batch it trains until the update, and a reference to each of its BatchNorm inputs (which
-autograd keeps for the backward anyway).
+Cost per subnet update and stage: the gradients take the chain in pieces (:mod:`.streamed`): while a
+replica adds its addends to one piece the next replica adds to the piece before, and the last replica's
+sums stream back the same way, so an update costs about one pass of its gradient bytes plus ``2D - 3``
+pieces' hops; in the planner's model that stays within 2x of a ring all-reduce of the same bytes at any
+``D``, where ``2 (D - 1)`` whole-gradient messages grew with ``D``. BatchNorm buffers, small, then take the
+chain as one message down and back (only where the supernet has BatchNorm layers). A later replica holds
+one gradient copy per micro-batch it trains until the update, and a reference to each of its BatchNorm
+inputs (which autograd keeps for the backward anyway).
 """
 
 from __future__ import annotations

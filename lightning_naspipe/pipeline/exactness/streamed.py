@@ -37,11 +37,11 @@ from torch import Tensor
 __all__ = ["MIN_PIECE_BYTES", "PIECE_BALANCE_BYTES", "stream_pieces", "streamed_sum"]
 
 #: The message size at which a piece's transfer takes as long as a message's fixed cost (latency times
-#: bandwidth: ~0.1 MB on 100 Gb/s Ethernet, ~0.25 MB on 400 Gb/s InfiniBand, ~0.5 MB on NVLink, ~0.2 MB for
-#: this host's shared-memory links with their Python overhead). The cost ``(P + H)(a + S / (P B))`` of ``P``
-#: pieces through ``H`` hops is least at ``P = sqrt(H S / (a B))``; one constant for all links stays within
-#: 1.6x of a ring all-reduce on each (the table in ``docs/benchmarks.md``).
-PIECE_BALANCE_BYTES = 256 << 10
+#: bandwidth: ~0.1 MB on 100 Gb/s Ethernet, ~0.3 MB on 400 Gb/s InfiniBand, ~0.5 MB on NVLink, ~3 MB for a
+#: small host's shared-memory links, where a message's wake-up costs a context switch). The cost
+#: ``(P + H)(a + S / (P B))`` of ``P`` pieces through ``H`` hops is least at ``P = sqrt(H S / (a B))``; one
+#: constant for all links keeps the model within 2x of a ring all-reduce on each (``docs/benchmarks.md``).
+PIECE_BALANCE_BYTES = 1 << 20
 #: No piece is smaller: below this a message costs its fixed cost whatever its size.
 MIN_PIECE_BYTES = 16 << 10
 
@@ -66,12 +66,12 @@ class ChainLinks(Protocol):
 
 def stream_pieces(nbytes: int, replicas: int) -> int:
     """How many pieces an update's ``nbytes`` of gradients are cut into on ``replicas`` replicas: about
-    ``sqrt((2D - 3) nbytes / PIECE_BALANCE_BYTES)`` (the pipeline's ``2D - 3`` hops of fill against the
+    ``sqrt((2D - 3) nbytes / PIECE_BALANCE_BYTES)``, rounded (the pipeline's ``2D - 3`` hops of fill against the
     pieces' fixed costs), at least one and none under :data:`MIN_PIECE_BYTES`."""
     if nbytes <= 0:
         return 0
     hops = max(2 * replicas - 3, 1)
-    wanted = math.ceil(math.sqrt(hops * nbytes / PIECE_BALANCE_BYTES))
+    wanted = round(math.sqrt(hops * nbytes / PIECE_BALANCE_BYTES))
     return max(1, min(wanted, nbytes // MIN_PIECE_BYTES))
 
 
