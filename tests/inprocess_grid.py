@@ -57,6 +57,12 @@ class BatonGroup:
     def recv_previous(self) -> Any:
         return self._recv(self._replica - 1)
 
+    def send_previous(self, value: Any) -> None:
+        self._send(self._replica - 1, value)
+
+    def recv_next(self) -> Any:
+        return self._recv(self._replica + 1)
+
     def from_last(self, value: Any) -> Any:
         if self._replica != self._replicas - 1:
             value = self._recv(self._replica + 1)

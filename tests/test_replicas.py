@@ -16,6 +16,7 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.pipeline.exactness import streamed
 from lightning_naspipe.pipeline.exactness.replicas import ReplicaUpdates, ordered_sum
 
 CHUNKS = 4
@@ -43,6 +44,12 @@ class _Group:
 
     def recv_previous(self) -> Any:
         return self.world.queues[(self._replica - 1, self._replica)].get(timeout=30)
+
+    def send_previous(self, value: Any) -> None:
+        self.world.queues[(self._replica, self._replica - 1)].put(value)
+
+    def recv_next(self) -> Any:
+        return self.world.queues[(self._replica + 1, self._replica)].get(timeout=30)
 
     def from_last(self, value: Any) -> Any:
         last = self.world.size - 1
@@ -178,6 +185,20 @@ def test_replicas_give_every_replica_the_one_device_gradients_and_statistics(rep
                                                                              kind: str) -> None:
     reference = _one_device(momentum, kind)
     for model in _replicated(replicas, momentum, kind):
+        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+            assert q.grad is not None and torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+        for (name, b), c in zip(reference.named_buffers(), model.buffers()):
+            assert torch.equal(b, c), name
+
+
+@pytest.mark.parametrize("replicas", [3, 4])
+def test_gradients_streamed_in_many_pieces_are_the_one_device_ones(replicas: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streamed, "PIECE_BALANCE_BYTES", 1)
+    monkeypatch.setattr(streamed, "MIN_PIECE_BYTES", 20)  # 5 float32 elements: no parameter fits one piece
+    assert len(streamed._cuts(list(_model(0.1).parameters()), replicas)) > 10
+    reference = _one_device(0.1, "batch_norm")
+    for model in _replicated(replicas, 0.1, "batch_norm"):
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
             assert q.grad is not None and torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
         for (name, b), c in zip(reference.named_buffers(), model.buffers()):

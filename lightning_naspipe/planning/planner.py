@@ -23,6 +23,7 @@ from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action, Schedule
 from lightning_naspipe.schedule.schedules import SCHEDULES, build_schedule, scheduling_resources
 from lightning_naspipe.planning.deferral import deferring, passes
+from lightning_naspipe.planning.links import LinkModel, streamed_chain_ms
 from lightning_naspipe.planning.stalls import CAUSES, SEND, analyse_stage
 from lightning_naspipe.planning.space_spec import SpaceSpec
 
@@ -97,7 +98,7 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
              subnets: int | None = None, seed: int = 0, balance: Sequence[int] | None = None,
              architectures: Sequence[Mapping[str, int]] | None = None, batch_size: int | None = None,
              order: str = "engine", lookahead: bool = True, defer_weight_grads: bool | None = None,
-             replicas: int = 1) -> Prediction:
+             replicas: int = 1, links: LinkModel | None = None) -> Prediction:
     """Predict a run of ``subnets`` subnets (default: 64, rounded up to whole windows).
 
     Args:
@@ -127,12 +128,14 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
         replicas: data-parallel replicas of the pipeline (``NASPipeStrategy(num_stages=stages)`` on
             ``stages * replicas`` processes): each runs its ``chunks / replicas`` micro-batches, each costing
             ``1 / chunks`` of the subnet's time, and every update waits for the replicas' chained reduction.
+        links: the links between replicas (:mod:`.links`); default: the spec's ``replica_links``, else its
+            one-host message costs.
     """
     if replicas < 1 or chunks % replicas:
         raise ValueError(f"chunks={chunks} must be a multiple of replicas={replicas}")
     total_chunks, processes = chunks, stages * replicas
     if replicas > 1:  # one replica's pipeline: its share of the micro-batches, each 1/chunks of the compute
-        spec, chunks = _replica_share(spec, replicas), chunks // replicas
+        spec, chunks = _replica_share(spec, replicas, links), chunks // replicas
     labels = spec.labels()
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -303,12 +306,13 @@ def best_layout(predictions: Sequence[Prediction]) -> Prediction:
     return max(predictions, key=lambda p: (p.subnets_per_s, -p.stages))
 
 
-def _replica_share(spec: SpaceSpec, replicas: int) -> SpaceSpec:
+def _replica_share(spec: SpaceSpec, replicas: int, links: LinkModel | None = None) -> SpaceSpec:
     """The space as one replica of ``replicas`` sees it: each candidate's compute is the replica's share of the
-    batch; each subnet's update on a stage waits for the chained reduction of its gradients there (``replicas - 1``
-    messages down, as many back: :func:`_stage_costs`), and each window for the gather of the last stage's losses."""
+    batch; each subnet's update on a stage waits for the streamed reduction of its gradients there
+    (:func:`.links.streamed_chain_ms`), and each window for the gather of the last stage's losses."""
     return replace(spec.compute_scaled(lambda ms: ms / replicas), reduce_hops=2.0 * (replicas - 1),
-                   sync_ms=spec.sync_ms + spec.message_ms + spec.message_cpu_ms)
+                   sync_ms=spec.sync_ms + spec.message_ms + spec.message_cpu_ms,
+                   replica_links=links or spec.replica_links)
 
 
 def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int, stages: int,
@@ -322,9 +326,10 @@ def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int
     backward = sum(o.backward_ms for o in ops) if split is None else sum(split)
     after = 0.0 if split is None else split[1]
     b = _ticks(scale * backward / chunks + over + messages)
-    # The replicas' reduction: each hop a message of the subnet's gradients on this stage (0 without replicas).
-    reduce = spec.reduce_hops * (spec.message_ms + spec.message_cpu_ms
-                                 + spec.message_ms_per_mb * sum(o.grad_bytes for o in ops) / 1e6)
+    # The replicas' streamed reduction of the subnet's gradients on this stage (0 without replicas).
+    replicas = round(spec.reduce_hops / 2) + 1
+    links = spec.replica_links or LinkModel.uniform(spec.message_ms + spec.message_cpu_ms, spec.message_ms_per_mb)
+    reduce = streamed_chain_ms(links, sum(o.grad_bytes for o in ops), replicas, s * replicas)
     return {FORWARD: _ticks(scale * sum(o.forward_ms for o in ops) / chunks + over + messages), BACKWARD: b,
             SEND: b - round(scale * after / chunks * TICKS_PER_MS),
             UPDATE: _ticks(scale * spec.update_ms * sum(o.stateful for o in ops) + over + reduce)}

@@ -111,7 +111,7 @@ def profile_share(supernet: Supernet, sample_input: BlockValue, repeats: int = 1
         return ProfileShare(times, _engine_overhead(supernet, clock) if engine_overhead else None)
 
 
-def spec_of(supernet: Supernet, shares: Sequence[ProfileShare], **overheads: float) -> SpaceSpec:
+def spec_of(supernet: Supernet, shares: Sequence[ProfileShare], **overheads: Any) -> SpaceSpec:
     """The :class:`SpaceSpec` of ``supernet`` from every share of its profile (:func:`profile_share`), in order;
     ``overheads`` as :func:`profile_supernet`'s (a measured ``action_overhead_ms`` is the default)."""
     measured = [s.action_overhead_ms for s in shares if s.action_overhead_ms is not None]

@@ -10,6 +10,9 @@ import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from lightning_naspipe.planning.links import Link, LinkModel
 
 __all__ = ["BlockSpec", "CandidateSpec", "SpaceSpec", "block_cost_ms", "candidate_ms", "wide_spec"]
 
@@ -90,8 +93,11 @@ class SpaceSpec:
         sync_ms: extra fixed cost per window with several stages (sharing losses, awaiting sends).
         message_ms_per_mb: a message's cost per MB of payload beyond ``message_ms`` (copies, and for the
             replicas' reduction, the additions); the planner charges it for the replicas' gradient messages.
-        reduce_hops: messages on the critical path of each update's reduction among data-parallel replicas,
-            ``2 (replicas - 1)``; set by the planner when it simulates one replica (0: no replicas).
+        reduce_hops: ``2 (replicas - 1)``, the hops of each update's chained reduction among data-parallel
+            replicas, streamed in pieces (:func:`.links.streamed_chain_ms`); set by the planner when it simulates
+            one replica (0: no replicas).
+        replica_links: the links between replicas (:class:`.links.LinkModel`); ``None``: every hop costs
+            ``message_ms + message_cpu_ms`` per message and ``message_ms_per_mb`` per MB (one host).
     """
 
     blocks: list[BlockSpec]
@@ -105,6 +111,7 @@ class SpaceSpec:
     sync_ms: float = 0.0
     message_ms_per_mb: float = 0.0
     reduce_hops: float = 0.0
+    replica_links: LinkModel | None = None
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -149,11 +156,14 @@ class SpaceSpec:
         """Parse :meth:`to_json`'s output."""
         data = json.loads(text)
         blocks = [BlockSpec(b["label"], [CandidateSpec(**c) for c in b["candidates"]]) for b in data.pop("blocks")]
-        return cls(blocks, **data)
+        links = data.pop("replica_links", None)
+        if links is not None:
+            links = LinkModel(Link(**links["intra"]), Link(**links["inter"]), links["per_node"])
+        return cls(blocks, **data, replica_links=links)
 
 
 def wide_spec(candidates: int, blocks: int = 8, block_ms: float = 1.0, backward_ratio: float = 2.0,
-              **overheads: float) -> SpaceSpec:
+              **overheads: Any) -> SpaceSpec:
     """``benchmarks/overlap.py``'s shape: ``blocks`` choice blocks of ``candidates`` equal stateful ops."""
     op = CandidateSpec(block_ms, block_ms * backward_ratio, True)
     return SpaceSpec([BlockSpec(f"block{i}", [op] * candidates) for i in range(blocks)], **overheads)

@@ -90,6 +90,12 @@ class ReplicaLinks:
     def recv_previous(self) -> Any:
         return self.links.recv(self._replica - 1)
 
+    def send_previous(self, value: Any) -> None:
+        self.links.send(self._replica - 1, value)
+
+    def recv_next(self) -> Any:
+        return self.links.recv(self._replica + 1)
+
     def from_last(self, value: Any) -> Any:
         if self._replica != len(self.ranks) - 1:  # relayed back down the chain
             value = self.links.recv(self._replica + 1)

@@ -15,17 +15,22 @@ change the bits. Here the replicas of a stage each train a contiguous share of t
   contribution a later stage sends for a tied weight), and ``(prefix + a) + b`` is not ``prefix + (a + b)``.
   The engine calls :meth:`ReplicaUpdates.collect` after each such accumulation;
 * the last replica's sum is the one-device gradient, bit for bit; it goes back to every replica, so all
-  of them step the same parameters with the same gradient.
+  of them step the same parameters with the same gradient. Each element's additions are the same in
+  every piece of :mod:`.streamed`, so cutting the gradients into pieces changes no bit.
 
 BatchNorm in training computes its output from the batch's statistics, so only its running statistics
 depend on the order. Replica 0 updates them as one device does; a later replica keeps each BatchNorm
 input of its micro-batches and, once it has the running statistics the replica before it ended with,
 replays the update with the forward's own call (``F.batch_norm``, so the same kernel), micro-batch by micro-batch.
 
-Cost per subnet update and stage: ``D - 1`` chained messages of the subnet's gradients and BatchNorm
-buffers on this stage, and ``D - 1`` back from the last replica; a later replica holds one gradient copy
-per micro-batch it trains until the update, and a reference to each of its BatchNorm inputs (which
-autograd keeps for the backward anyway).
+Cost per subnet update and stage: the gradients take the chain in pieces (:mod:`.streamed`): while a
+replica adds its addends to one piece the next replica adds to the piece before, and the last replica's
+sums stream back the same way, so an update costs about one pass of its gradient bytes plus ``2D - 3``
+pieces' hops; in the planner's model that stays within 2x of a ring all-reduce of the same bytes at any
+``D``, where ``2 (D - 1)`` whole-gradient messages grew with ``D``. BatchNorm buffers, small, then take the
+chain as one message down and back (only where the supernet has BatchNorm layers). A later replica holds
+one gradient copy per micro-batch it trains until the update, and a reference to each of its BatchNorm
+inputs (which autograd keeps for the backward anyway).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from torch.nn import functional as F
 
 from lightning_naspipe.compat.torch import tensor_version
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.pipeline.exactness.streamed import streamed_sum
 from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm2d
 from lightning_naspipe.transport.failures import FailureBoard
 
@@ -78,6 +84,14 @@ class ReplicaGroup(Protocol):
 
     def recv_previous(self) -> Any:
         """The next value the previous replica sent."""
+        ...
+
+    def send_previous(self, value: Any) -> None:
+        """Send ``value`` to the previous replica (not waiting for it to be received)."""
+        ...
+
+    def recv_next(self) -> Any:
+        """The next value the next replica sent."""
         ...
 
     def from_last(self, value: Any) -> Any:
@@ -203,18 +217,27 @@ class ReplicaUpdates:
         replica or one before it updated."""
         group, touched = self.group, self._touched.pop(index, set())
         self.params.pop(index, None)
-        last = group.replica == group.replicas - 1
         _refuse_sparse([p.grad for p in params] if group.replica == 0 else
                        [t for c in chunks for parts in self._grads.get((index, c), []) for t in parts])
-        if group.replica == 0:
-            grads: list[Tensor | None] = [p.grad for p in params]
+        if group.replica == 0:  # its .grad is the prefix: the sum of its micro-batches, as on one device
+            addends = [[] if p.grad is None else [p.grad] for p in params]
         else:
+            own = [self._grads.pop((index, chunk), [[] for _ in params]) for chunk in chunks]
+            addends = [[part for mine in own for part in mine[i]] for i in range(len(params))]
+        grads = streamed_sum(group, addends, params)
+        if self._layers:  # the same on every replica: the statistics take the chain after the gradients
+            self._reduce_statistics(index, chunks, touched)
+        for p, grad in zip(params, grads):
+            p.grad = None if grad is None else grad.to(p.device)
+
+    def _reduce_statistics(self, index: int, chunks: range, touched: set[int]) -> None:
+        """The BatchNorm running statistics in one message down the chain (each replica replaying its
+        micro-batches' updates) and the last replica's back (a few small buffers: no pieces)."""
+        group = self.group
+        if group.replica > 0:
             received = group.recv_previous()
             before = received[-1].tolist()
-            grads, buffers = _unpacked(received[:-1], params, self._statistics(before))
-            for chunk in chunks:
-                own = self._grads.pop((index, chunk), [[] for _ in params])
-                grads = [ordered_sum((total, *parts)) for total, parts in zip(grads, own)]
+            buffers = _unpacked(received[:-1], self._statistics(before))
             for k in touched:
                 _load(self._statistics([k]), self._before.pop((index, k)))
             _load(self._statistics(before), buffers)
@@ -224,19 +247,15 @@ class ReplicaUpdates:
             touched.update(before)
         layers = sorted(touched)
         # copied out as it is sent: the values of now
-        message = (*_packed(grads, params, self._statistics(layers)), torch.tensor(layers, dtype=torch.long))
-        if not last:
+        message = (*_packed(self._statistics(layers)), torch.tensor(layers, dtype=torch.long))
+        if group.replica < group.replicas - 1:
             group.send_next(message)
             message = group.from_last(None)
             layers = message[-1].tolist()
-            grads, buffers = _unpacked(message[:-1], params, self._statistics(layers))
-            for p, grad in zip(params, grads):
-                p.grad = None if grad is None else grad.to(p.device)
+            buffers = _unpacked(message[:-1], self._statistics(layers))
             _load(self._statistics(layers), buffers)
         else:
             group.from_last(message)
-            for p, grad in zip(params, grads):
-                p.grad = grad
 
     def _statistics(self, layers: Sequence[int]) -> list[Tensor]:
         """The buffers of the watched BatchNorm layers at positions ``layers``, in that order."""
@@ -291,36 +310,25 @@ def _refuse_sparse(grads: Sequence[Tensor | None]) -> None:
         )
 
 
-def _packed(grads: Sequence[Tensor | None], params: Sequence[Tensor],
-            statistics: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    """The gradients and BatchNorm statistics as one message of a few tensors: which gradients are ``None``, then one
-    flat buffer per dtype. Packing and unpacking cost about 10 µs per tensor, and a stage holds dozens of them."""
-    templates, values = [*params, *statistics], [*grads, *statistics]
-    present = torch.tensor([v is not None for v in values], dtype=torch.bool)
-    flat: dict[torch.dtype, list[Tensor]] = {dtype: [] for dtype in _dtypes(templates)}
-    for value, template in zip(values, templates):
-        if value is not None:
-            flat[template.dtype].append(value.detach().reshape(-1))
-    return (present, *(torch.cat(parts) if parts else torch.empty(0, dtype=dtype) for dtype, parts in flat.items()))
+def _packed(statistics: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """BatchNorm statistics as one message of a few tensors: one flat buffer per dtype (about 10 µs per tensor
+    packed or unpacked, and a stage may hold dozens)."""
+    flat: dict[torch.dtype, list[Tensor]] = {dtype: [] for dtype in _dtypes(statistics)}
+    for value in statistics:
+        flat[value.dtype].append(value.detach().reshape(-1))
+    return tuple(torch.cat(parts) for parts in flat.values())
 
 
-def _unpacked(message: Sequence[Tensor], params: Sequence[Tensor],
-              statistics: Sequence[Tensor]) -> tuple[list[Tensor | None], list[Tensor]]:
-    """What :func:`_packed` sent: views of its flat buffers shaped as ``params`` and ``statistics``."""
-    templates = [*params, *statistics]
-    flat = dict(zip(_dtypes(templates), message[1:]))
+def _unpacked(message: Sequence[Tensor], statistics: Sequence[Tensor]) -> list[Tensor]:
+    """What :func:`_packed` sent: views of its flat buffers shaped as ``statistics``."""
+    flat = dict(zip(_dtypes(statistics), message))
     offsets = dict.fromkeys(flat, 0)
-    values: list[Tensor | None] = []
-    for present, template in zip(message[0].tolist(), templates):
-        if not present:
-            values.append(None)
-            continue
+    values = []
+    for template in statistics:
         start = offsets[template.dtype]
         offsets[template.dtype] = start + template.numel()
         values.append(flat[template.dtype][start:start + template.numel()].view(template.shape))
-    buffers = values[len(params):]
-    assert all(b is not None for b in buffers), "BatchNorm statistics are always sent"
-    return values[:len(params)], [b for b in buffers if b is not None]
+    return values
 
 
 def _dtypes(templates: Sequence[Tensor]) -> list[torch.dtype]:
