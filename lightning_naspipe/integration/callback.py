@@ -17,8 +17,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from lightning_naspipe.compat.lightning import has_clip_gradients, replaced_clip_gradients, should_check_val_epoch
-from lightning_naspipe.pipeline.exactness.clipping import hide_from_validator, restore, use_precision_hooks
+from lightning_naspipe.compat.lightning import should_check_val_epoch
+from lightning_naspipe.pipeline.exactness.clipping import hide_from_validator, restore
 from lightning_naspipe.integration.batch_hooks import log_cut_batch
 from lightning_naspipe.integration.loop_state import epoch_open, finish_last_window, reopen_epoch
 from lightning_naspipe.errors import NASPipeConfigError
@@ -27,9 +27,6 @@ from lightning_naspipe.namespaces import installed, overrides_hook
 from lightning_naspipe.pipeline.runtime.optim import step_schedulers
 from lightning_naspipe.space.fingerprint import space_changes, space_fingerprint
 from lightning_naspipe.space.supernet import supernet_of
-
-# Gradient clipping reaches the precision plugin through the Lightning glue: the pipeline imports no Lightning.
-use_precision_hooks(has_clip_gradients, replaced_clip_gradients)
 
 CHECKPOINT_KEY = "naspipe"
 

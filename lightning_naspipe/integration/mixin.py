@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_naspipe.compat import lightning
 from lightning_naspipe.integration.callback import (NASPipeCallback, PipelineRunner, check_checkpoint_space,
                                                     keep_scheduler_monitors, validate_run)
+from lightning_naspipe.integration.precision_clipping import lightning_clipping
 from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.runtime.executor import loss_context
@@ -291,7 +292,7 @@ class NASPipeMixin:
         engine = self.__dict__.get("_naspipe_engine")
         chunks = module_chunks(self)
         if engine is None or engine.chunks != chunks:
-            engine = Engine([range(len(self._supernet()))], chunks=chunks)
+            engine = Engine([range(len(self._supernet()))], chunks=chunks, clipping_hook=lightning_clipping)
             self.__dict__["_naspipe_engine"] = engine
         return engine
 

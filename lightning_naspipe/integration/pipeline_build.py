@@ -13,6 +13,7 @@ from lightning_naspipe.integration.auto_layout import chosen_stages
 from lightning_naspipe.integration.preemption import SigtermAgreement
 from lightning_naspipe.integration.stage_placement import StagePlacement
 from lightning_naspipe.integration.startup import StartupMeasures
+from lightning_naspipe.integration.precision_clipping import lightning_clipping
 from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.pipeline.runtime.microbatch import split_batch
 from lightning_naspipe.pipeline.placement.partition import stage_ranges
@@ -81,7 +82,8 @@ class PipelineBuilding(StagePlacement):
                                     self.root_device, self.timeout, failures, self.transport, self.receive_spin_s)
         self.engine = Engine(self.stage_ranges, stage=self.stage, chunks=self.chunks, transport=transport,
                              schedule=self.schedule, telemetry=telemetry, lookahead=self.lookahead and not self.offload,
-                             defer_weight_grads=self.defer_weight_grads, replicas=replicas)
+                             defer_weight_grads=self.defer_weight_grads, replicas=replicas,
+                             clipping_hook=lightning_clipping)
         supernet.local_blocks = self.engine.blocks if stages > 1 else None
         self._whole = not (training and stages > 1)
         if self.offload:

@@ -43,8 +43,11 @@ from lightning_naspipe.pipeline.exactness.grad_norm import NormExchange, StageNo
 from lightning_naspipe.namespaces import namespace_of
 from lightning_naspipe.pipeline.runtime.optim import flat_positions
 
-__all__ = ["UpdateClipping", "clips", "clips_by_norm", "hide_from_validator", "install", "restore",
-           "use_precision_hooks"]
+__all__ = ["ClippingHook", "UpdateClipping", "clips", "clips_by_norm", "hide_from_validator", "install", "restore"]
+
+#: ``hook(module)``: a context around one optimizer step in which the module's Trainer calls
+#: ``configure_gradient_clipping`` where its precision plugin clips under automatic optimization.
+ClippingHook = Callable[[Any], contextlib.AbstractContextManager[None]]
 
 _HIDDEN: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
@@ -97,15 +100,18 @@ class UpdateClipping:
         num_stages: how many stages the pipeline has.
         exchange: ``exchange(subnet)``: the norm exchange of that subnet's update; ``None`` if the
             window's schedule plans none (a norm clip on several stages is then refused).
+        hook: Lightning's automatic-optimization clipping call around one optimizer step, given by the Lightning
+            glue (``integration/precision_clipping.py``); ``None`` where no Trainer clips (the engine alone).
     """
 
-    def __init__(self, stage: int, num_stages: int, exchange: Callable[[int], NormExchange] | None) -> None:
-        self.stage, self.num_stages, self.exchange = stage, num_stages, exchange
+    def __init__(self, stage: int, num_stages: int, exchange: Callable[[int], NormExchange] | None,
+                 hook: ClippingHook | None = None) -> None:
+        self.stage, self.num_stages, self.exchange, self.hook = stage, num_stages, exchange, hook
 
     @contextlib.contextmanager
     def step(self, module: Any, optimizer: Optimizer, params: list[Tensor], index: int) -> Iterator[None]:
         """Around subnet ``index``'s optimizer step, before ``optimizer`` is restricted to ``params``."""
-        hooked = getattr(module.trainer, "precision_plugin", None) is not None and clips(module)
+        hook = self.hook if getattr(module.trainer, "precision_plugin", None) is not None and clips(module) else None
         update = None
         if self.num_stages > 1:
             install()
@@ -115,7 +121,7 @@ class UpdateClipping:
                              exchange)
             _ACTIVE.update = update
         try:
-            with _clipping_hook(module) if hooked else contextlib.nullcontext():
+            with hook(module) if hook is not None else contextlib.nullcontext():
                 yield
         finally:
             _ACTIVE.update = None
@@ -123,43 +129,6 @@ class UpdateClipping:
             update.exchange.agree(StageNorms(self.stage))  # every update exchanges once: the others may clip
 
 
-@contextlib.contextmanager
-def _clipping_hook(module: Any) -> Iterator[None]:
-    """Lightning's automatic-optimization call to ``configure_gradient_clipping`` for one optimizer step."""
-    plugin = module.trainer.precision_plugin
-    if not _PRECISION["has"](plugin):
-        raise NASPipeConfigError(_LIGHTNING_CHANGED.format(type(plugin).__name__, "has no _clip_gradients"))
-    calls = []
-
-    def clip_gradients(model: Any, optimizer: Any, clip_val: Any = None, gradient_clip_algorithm: Any = None) -> None:
-        calls.append(optimizer)
-        model.configure_gradient_clipping(optimizer, gradient_clip_val=clip_val,
-                                          gradient_clip_algorithm=gradient_clip_algorithm)
-
-    with _PRECISION["replaced"](plugin, clip_gradients):  # this instance only, for this step
-        yield
-    if not calls:
-        raise NASPipeConfigError(_LIGHTNING_CHANGED.format(type(plugin).__name__,
-                                                           "did not call _clip_gradients in the optimizer step"))
-
-
-#: The precision plugin's clipping call, reached through the Lightning glue (the pipeline imports no Lightning
-#: internals): ``has(plugin)``, whether it has one; ``replaced(plugin, clip)``, a context calling ``clip`` there.
-_PRECISION: dict[str, Any] = {}
-
-
-def use_precision_hooks(has: Callable[[Any], bool], replaced: Callable[[Any, Callable[..., None]],
-                                                                   contextlib.AbstractContextManager[None]]) -> None:
-    """Set how :class:`UpdateClipping` reaches the precision plugin's clipping call (the Lightning glue's
-    :func:`lightning_naspipe.compat.lightning.has_clip_gradients` and ``replaced_clip_gradients``)."""
-    _PRECISION.update(has=has, replaced=replaced)
-
-
-_LIGHTNING_CHANGED = (
-    "Gradient clipping under NASPipe runs configure_gradient_clipping where Lightning's precision plugin clips under "
-    "automatic optimization (Precision._clip_gradients, after the on_before_optimizer_step hooks), but {} {}: this "
-    "Lightning version changed that private API. Remove gradient_clip_val and the configure_gradient_clipping "
-    "override, or use a Lightning version lightning_naspipe supports.")
 
 
 _ACTIVE = threading.local()  # the update in progress on this thread (stage threads share a process in tests)

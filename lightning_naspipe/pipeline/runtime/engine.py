@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_naspipe.pipeline.exactness.clipping import UpdateClipping, clips, clips_by_norm
+from lightning_naspipe.pipeline.exactness.clipping import ClippingHook, UpdateClipping, clips, clips_by_norm
 from lightning_naspipe.pipeline.exactness.distillation import Teachers, wants_teacher
 from lightning_naspipe.pipeline.runtime.executor import StageExecutor, StageModule, Transport
 from lightning_naspipe.pipeline.runtime.stage_run import StageRun
@@ -85,6 +85,8 @@ class Engine:
         clip_norms: plan a gradient-norm exchange in every update (several stages), so that a norm clip
             is exact (see :mod:`.clipping`); ``None``: when the module's Trainer clips by norm or it
             overrides ``configure_gradient_clipping`` (:func:`.clipping.clips_by_norm`).
+        clipping_hook: the Trainer's clipping call around each optimizer step (:data:`.clipping.ClippingHook`), given
+            by the Lightning glue; ``None`` without Lightning, where nothing clips but the module's own code.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class Engine:
         defer_weight_grads: bool | None = None,
         clip_norms: bool | None = None,
         replicas: ReplicaGroup | None = None,
+        clipping_hook: ClippingHook | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -132,6 +135,7 @@ class Engine:
         #: optimizer is as the next subnet will find it (the mixin takes what a plain run logs then).
         self.after_update: Callable[[int], None] | None = None
         self.clip_norms = clip_norms
+        self.clipping_hook = clipping_hook
         self._clipping: UpdateClipping | None = None
         self.replicas = replicas
         #: The micro-batches of each training step this replica trains (:meth:`chunk_share_of`): set by each
@@ -323,7 +327,7 @@ class Engine:
             assert transport is not None
             return NormExchange(transport, self.stage, stages, index, device)
 
-        return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None)
+        return UpdateClipping(self.stage, stages, exchange if norms and stages > 1 else None, self.clipping_hook)
 
     def _wait_s(self) -> float:
         """Seconds this stage has waited for messages from other stages and its replicas."""
