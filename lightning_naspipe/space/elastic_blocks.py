@@ -20,6 +20,9 @@ the leading rows of the first weight and columns of the second. A transformer bl
 
     encoder = lnp.ElasticDepth([Layer() for _ in range(4)], depths=[2, 3, 4])
 
+An elastic embedding width (AutoFormer) is a list of widths for ``embed_dim`` with ``embed_label``, the label of
+the layers producing it (see :mod:`.elastic_transformer`).
+
 Frozen, they become ``nn.Sequential`` of the chosen layers, :class:`SelfAttention` and
 ``nn.Sequential(nn.Linear, activation, nn.Linear)`` holding copies of the slices the forward computes on.
 """
