@@ -9,6 +9,7 @@ from lightning_naspipe.space.cells import Cell, Zero
 from lightning_naspipe.space.choice import Architecture, Elastic, InputChoice, When
 from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm2d, ElasticConv2d, ElasticLinear
 from lightning_naspipe.space.elastic_blocks import ElasticAttention, ElasticDepth, ElasticMLP
+from lightning_naspipe.space.elastic_transformer import ElasticEmbedding, ElasticLayerNorm, ElasticPatchEmbed
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.export import load_subnet, save_subnet
 from lightning_naspipe.searching.constraints import Constraints, LatencyPenalty
@@ -29,7 +30,8 @@ from lightning_naspipe.transport.p2p import StageFailure
 
 __all__ = ["Architecture", "Cell", "ChoiceBlock", "Constrained", "Constraints", "Difference", "Elastic",
            "ElasticAttention", "ElasticBatchNorm1d", "ElasticBatchNorm2d", "ElasticConv2d", "ElasticDepth",
-           "ElasticLinear", "ElasticMLP", "EvolutionSearch", "FairNAS", "GridSearch", "InputChoice", "LatencyPenalty",
+           "ElasticEmbedding", "ElasticLayerNorm", "ElasticLinear", "ElasticMLP", "ElasticPatchEmbed",
+           "EvolutionSearch", "FairNAS", "GridSearch", "InputChoice", "LatencyPenalty",
            "LatencyReport", "LatencyTable", "NASPipeCallback", "NASPipeConfigError", "NASPipeMixin", "NASPipeStrategy",
            "RandomSearch", "Record", "SPOSSearch", "Sandwich", "SearchResult", "Searcher", "StageFailure", "Supernet",
            "VerifyReport", "When", "Zero", "__version__", "load_subnet", "measure_latency", "naspipe_cli",

@@ -7,7 +7,7 @@ fixed block (one transformer layer with a choice of attention and a choice of ML
 another choice's candidate. :class:`InputChoice` picks ``k`` of ``n`` inputs (DARTS-style cells,
 NNI's ``InputChoice``); :class:`When` runs its body only for some choices of a label.
 :class:`Elastic` is the base of choices whose candidates are slices of shared weights (elastic
-width, kernel size, depth; see :mod:`.elastic` and :mod:`.elastic_blocks`).
+width, kernel size, depth; see :mod:`.elastic`, :mod:`.elastic_blocks` and :mod:`.elastic_transformer`).
 
 The resource walk (:func:`scope_of`) cuts a block's module tree at these primitives: every
 *scope* (a block's fixed part, or one candidate's) owns the parameters and buffers reachable
