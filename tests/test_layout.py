@@ -1,4 +1,5 @@
-"""Stages x replicas: stage-major ranks, contiguous micro-batch shares, and the layouts refused."""
+"""Stages x replicas: stage-major ranks (replica-major across nodes), contiguous micro-batch shares, and the
+layouts refused."""
 
 from __future__ import annotations
 
@@ -27,6 +28,32 @@ def test_the_replicas_share_every_micro_batch_once_in_order(stages: int, replica
     assert [c for share in shares for c in share] == list(range(chunks))
     for rank in range(layout.world_size):
         assert layout.rank(layout.stage_of(rank), layout.replica_of(rank)) == rank
+
+
+@pytest.mark.parametrize(("world", "stages", "nodes"), [(4, 2, 1), (4, 2, 2), (8, 2, 2), (8, 4, 2), (8, 2, 4),
+                                                       (12, 3, 2), (12, 2, 3), (8, 4, 4), (4, 4, 2), (6, 2, 3)])
+def test_every_rank_once_and_pipelines_inside_a_node_where_the_stages_fit(world: int, stages: int,
+                                                                         nodes: int) -> None:
+    layout = Layout.of(world, stages, nodes)
+    ranks = [layout.rank(s, d) for d in range(layout.replicas) for s in range(layout.stages)]
+    assert sorted(ranks) == list(range(world))
+    assert all(layout.rank(layout.stage_of(r), layout.replica_of(r)) == r for r in range(world))
+    fits = (world // nodes) % stages == 0
+    assert layout.pipelines_in_nodes == fits and layout.replica_major == (fits and nodes > 1)
+    if fits:  # each node runs whole pipelines, and a stage's replicas are spread over every node
+        assert all({layout.node_of(r) for r in layout.replica_ranks(s)} == set(range(nodes)) for s in range(stages))
+
+
+def test_two_nodes_of_two_run_one_pipeline_each() -> None:
+    layout = Layout.of(4, 2, nodes=2)
+    assert layout.column(0) == [0, 1] and layout.column(1) == [2, 3] and layout.replica_ranks(1) == [1, 3]
+    assert layout.name(2) == "stage 0 replica 1 (rank 2)"
+    assert Layout.of(4, 2, nodes=1).column(1) == [1, 3]  # one node: stage-major, as before
+
+
+def test_nodes_must_divide_the_processes() -> None:
+    with pytest.raises(NASPipeConfigError, match=r"on num_nodes=3: .*num_nodes must divide 4; use one of \[1, 2, 4\]"):
+        Layout.of(4, 2, nodes=3)
 
 
 def test_num_stages_must_divide_the_processes() -> None:

@@ -114,8 +114,8 @@ class StageProcesses(lightning.LauncherHook, _StrategyBase):
 
     @property
     def layout(self) -> Layout:
-        """Stages x replicas of this run (:class:`.Layout`; ranks stage-major)."""
-        return Layout.of(self.world_size, self._stages)
+        """Stages x replicas of this run on the Trainer's ``num_nodes`` (:class:`.Layout`, which orders the ranks)."""
+        return Layout.of(self.world_size, self._stages, self.num_nodes)
 
     @property
     def stage(self) -> int:

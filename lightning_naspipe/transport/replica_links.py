@@ -24,17 +24,20 @@ from lightning_naspipe.transport.p2p import StageFailure
 __all__ = ["ReplicaLinks", "layout_groups"]
 
 # Groups are made once per process and layout: making them is collective and they are never freed.
-_GROUPS: dict[tuple[int, int, str, int], tuple[Any, Any]] = {}
+_GROUPS: dict[tuple[int, int, bool, str, int], tuple[Any, Any]] = {}
 
 
 def layout_groups(layout: Any, device: torch.device) -> tuple[Any, Any]:
     """This rank's process groups from torch's device mesh of ``layout`` (a :class:`.Layout`): its pipeline's
     (the ranks of every stage of its replica) and its stage's replicas' (collective on the first call)."""
-    key = (layout.stages, layout.replicas, device.type, id(dist.group.WORLD))
+    key = (layout.stages, layout.replicas, layout.replica_major, device.type, id(dist.group.WORLD))
     if key not in _GROUPS:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (layout.stages, layout.replicas), mesh_dim_names=("stage", "replica"))
+        # The mesh numbers ranks row-major: its first dimension is the layout's slower-varying one.
+        shape, names = ((layout.replicas, layout.stages), ("replica", "stage")) if layout.replica_major else (
+            (layout.stages, layout.replicas), ("stage", "replica"))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         _GROUPS[key] = (mesh.get_group("stage"), mesh.get_group("replica"))
     return _GROUPS[key]
 
