@@ -48,8 +48,10 @@ def _launch(tmp_path: Path, *args: str, name: str = "run", timeout: float = 300,
     """
     out = tmp_path / f"{name}.ckpt"
     command, devices = ["--out", str(out), *args], int(args[args.index("--devices") + 1])
-    if devices > 1 and not lightning_launcher:
-        stderr = run_ranks(tmp_path, SCRIPT, command, [{**rank, **env} for rank in torchrun_env(devices)], timeout)
+    nodes = int(args[args.index("--num-nodes") + 1]) if "--num-nodes" in args else 1
+    if devices * nodes > 1 and not lightning_launcher:
+        ranks = torchrun_env(devices * nodes, nodes)
+        stderr = run_ranks(tmp_path, SCRIPT, command, [{**rank, **env} for rank in ranks], timeout)
     else:
         proc = subprocess.run([sys.executable, str(SCRIPT), *command], env=_env(**env), cwd=tmp_path,
                               capture_output=True, text=True, timeout=timeout)
@@ -301,10 +303,13 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def torchrun_env(ranks: int) -> list[dict[str, str]]:
-    """Each rank's variables as torchrun sets them on one node (Lightning then launches nothing)."""
-    return [{"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
-             "GROUP_RANK": "0", "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(ranks)]
+def torchrun_env(ranks: int, nodes: int = 1) -> list[dict[str, str]]:
+    """Each rank's variables as torchrun sets them on ``nodes`` nodes of ``ranks / nodes`` processes, each node a
+    contiguous block of global ranks (Lightning then launches nothing)."""
+    per_node = ranks // nodes
+    return [{"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(per_node),
+             "GROUP_RANK": str(rank // per_node), "NODE_RANK": str(rank // per_node), "RANK": str(rank),
+             "LOCAL_RANK": str(rank % per_node)} for rank in range(ranks)]
 
 
 def run_ranks(tmp_path: Path, script: Path, args: list[str], rank_env: list[dict[str, str]],

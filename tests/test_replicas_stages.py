@@ -43,6 +43,16 @@ def test_replicas_equal_the_plain_trainer(tmp_path: Path, plain_chunks4: dict, d
         assert all(torch.equal(weights[k], plain_chunks4["model"][k]) for k in plain_chunks4["model"])
 
 
+def test_two_nodes_of_two_run_a_pipeline_each_and_equal_the_plain_trainer(tmp_path: Path, plain_chunks4: dict) -> None:
+    """``Trainer(num_nodes=2, devices=2)``, torchrun's variables for two nodes on this host: 2 stages x 2 replicas
+    with ranks replica-major, so each node runs one whole pipeline and the replicas' sums cross nodes."""
+    stderr = _launch(tmp_path, "--devices", "2", "--num-nodes", "2", "--num-stages", "2", "--window", "4",
+                     "--chunks", "4", "--transport", "torch", keep_stderr=True)
+    assert_same_state(plain_chunks4, _state(tmp_path / "run.ckpt"))
+    table = stderr[stderr.index("NASPipe stages:"):]
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:4]] == ["0, 2", "1, 3"], table
+
+
 class ToyNetInTwoChunks(ToyNet):
     chunks = 2
 
