@@ -23,6 +23,8 @@ from lightning_naspipe.space.supernet import supernet_of
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.planning import SpaceSpec, plan, table, wide_spec
+from lightning_naspipe.planning.links import LINKS
+from lightning_naspipe.planning.nodes import DEFAULT_LINKS
 from lightning_naspipe.planning.planner import best_layout, plan_layouts
 from lightning_naspipe.schedule.schedules import SCHEDULES
 
@@ -42,8 +44,14 @@ def _plan(args: argparse.Namespace) -> int:
     if steps < 1:
         print(f"plan: --subnets-per-step must be >= 1, got {steps}", file=sys.stderr)
         return 2
+    if args.nodes is not None and (args.processes is None or args.nodes < 1 or args.processes % args.nodes):
+        print(f"plan: --nodes {args.nodes} needs --processes P that it divides (every node runs P / N processes), "
+              f"got --processes {args.processes}; give --processes a multiple of {args.nodes}", file=sys.stderr)
+        return 2
     if args.processes is not None:
-        predictions = plan_layouts(spec, args.processes, args.window, args.chunks, args.schedule, steps, **settings)
+        nodes = dict(nodes=args.nodes, links=LINKS[args.links]) if args.nodes is not None else {}
+        predictions = plan_layouts(spec, args.processes, args.window, args.chunks, args.schedule, steps, **settings,
+                                   **nodes)
         if not predictions:
             print(f"plan: no layout of {args.processes} processes fits chunks={args.chunks} x {steps} subnet(s) per "
                   "step (a multiple of the replicas) and the space's blocks", file=sys.stderr)
@@ -65,8 +73,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(table(predictions, one_device))
     if args.processes is not None:
         best = best_layout(predictions)
-        print(f"best layout for {args.processes} processes: {best.stages} stage(s) x {best.replicas} replica(s), "
-              f"NASPipeStrategy(num_stages={best.stages}, chunks={args.chunks})")
+        where = f" on {args.nodes} nodes ({args.links})" if args.nodes is not None else ""
+        print(f"best layout for {args.processes} processes{where}: {best.stages} stage(s) x {best.replicas} "
+              f"replica(s), NASPipeStrategy(num_stages={best.stages}, chunks={args.chunks})")
     if skipped:
         print(f"skipped stage counts {skipped}: more stages than the space's {len(spec.blocks)} blocks")
     print("bubble: idle share of stage time, split by cause: depen(dency) = a forward held for an earlier subnet's "
@@ -109,6 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--processes", type=int, default=None,
                    help="instead of --stages: every stages x replicas layout of this many processes, and the best")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="with --processes: the nodes they span; stage messages and the replicas' reduction that "
+                        "cross nodes take --links' inter-node link")
+    p.add_argument("--links", choices=sorted(LINKS), default=DEFAULT_LINKS,
+                   help=f"with --nodes: the links within and between nodes (default {DEFAULT_LINKS!r})")
     p.add_argument("--window", type=int, default=8, help="training steps per window (default 8, as NASPipeStrategy)")
     p.add_argument("--chunks", type=int, default=1, help="micro-batches per subnet (default 1)")
     p.add_argument("--schedule", choices=SCHEDULES, default="csp")

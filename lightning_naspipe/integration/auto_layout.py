@@ -74,7 +74,7 @@ def layout_hparams(stages: int, replicas: int, how: str, rates: str | None = Non
 
 def chosen_stages(profile: Callable[[bool], SpaceSpec], processes: int, blocks: int, chunks: int, window: int,
                   is_global_zero: bool, broadcast: Callable[[Any], Any], device_type: str, subnets: int = 1,
-                  defer_weight_grads: bool | None = None) -> LayoutChoice:
+                  defer_weight_grads: bool | None = None, nodes: int = 1) -> LayoutChoice:
     """The number of stages for ``processes`` (the rest replicas), chosen on rank 0 and ``broadcast`` to every
     rank (collective), with a line for the log naming every layout's predicted rate and the loggers' record of it.
 
@@ -90,6 +90,7 @@ def chosen_stages(profile: Callable[[bool], SpaceSpec], processes: int, blocks: 
         device_type: ``"cpu"`` plans with :data:`CPU_OVERHEADS`.
         subnets: per training step (replicas share a step's ``subnets * chunks`` micro-batches, so more layouts fit).
         defer_weight_grads: ``NASPipeStrategy``'s; the profile times the passes where the plan uses them.
+        nodes: the Trainer's ``num_nodes``: the plan charges what crosses nodes (:func:`.nodes.replica_view`).
 
     Raises:
         NASPipeConfigError: no layout of ``processes`` fits.
@@ -114,7 +115,7 @@ def chosen_stages(profile: Callable[[bool], SpaceSpec], processes: int, blocks: 
         if device_type == "cpu":
             spec = dataclasses.replace(spec, **CPU_OVERHEADS)
         predictions = plan_layouts(spec, processes, window, chunks, subnets_per_step=subnets,
-                                   defer_weight_grads=defer_weight_grads)
+                                   defer_weight_grads=defer_weight_grads, nodes=nodes)
         best = best_layout(predictions)
         rates = ", ".join(f"{p.stages} x {p.replicas}: {p.subnets_per_s:.1f}" for p in predictions)
         unit = "subnets/s" if subnets == 1 else f"training steps/s ({subnets} subnets each)"

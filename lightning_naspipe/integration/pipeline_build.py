@@ -124,7 +124,7 @@ class PipelineBuilding(StagePlacement):
         stages, message, hparams = chosen_stages(
             lambda deferred: self._startup.profile(micro, deferred), self.world_size, len(supernet_of(module)),
             self.chunks, self.window, self.is_global_zero, self.broadcast, self.root_device.type, subnets,
-            self.defer_weight_grads)
+            self.defer_weight_grads, self.layout.nodes)
         self._info(message)
         if self.is_global_zero:  # and where runs are compared: a CSVLogger's hparams.yaml, TensorBoard's HPARAMS
             for logger in module.trainer.loggers:

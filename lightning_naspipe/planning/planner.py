@@ -24,6 +24,7 @@ from lightning_naspipe.schedule.actions import BACKWARD, FORWARD, UPDATE, Action
 from lightning_naspipe.schedule.schedules import SCHEDULES, build_schedule, scheduling_resources
 from lightning_naspipe.planning.deferral import deferring, passes
 from lightning_naspipe.planning.links import LinkModel, streamed_chain_ms
+from lightning_naspipe.planning.nodes import replica_view
 from lightning_naspipe.planning.stalls import CAUSES, SEND, analyse_stage
 from lightning_naspipe.planning.space_spec import SpaceSpec
 
@@ -98,7 +99,7 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
              subnets: int | None = None, seed: int = 0, balance: Sequence[int] | None = None,
              architectures: Sequence[Mapping[str, int]] | None = None, batch_size: int | None = None,
              order: str = "engine", lookahead: bool = True, defer_weight_grads: bool | None = None,
-             replicas: int = 1, links: LinkModel | None = None) -> Prediction:
+             replicas: int = 1, links: LinkModel | None = None, nodes: int | None = None) -> Prediction:
     """Predict a run of ``subnets`` subnets (default: 64, rounded up to whole windows).
 
     Args:
@@ -130,12 +131,14 @@ def simulate(spec: SpaceSpec, stages: int, window: int, chunks: int = 1, schedul
             ``1 / chunks`` of the subnet's time, and every update waits for the replicas' chained reduction.
         links: the links between replicas (:mod:`.links`); default: the spec's ``replica_links``, else its
             one-host message costs.
+        nodes: nodes the ``stages * replicas`` processes span, ranks as :class:`.Layout` orders them: stage messages
+            and the replicas' reduction take the links between nodes where they cross (:func:`.replica_view`).
     """
     if replicas < 1 or chunks % replicas:
         raise ValueError(f"chunks={chunks} must be a multiple of replicas={replicas}")
     total_chunks, processes = chunks, stages * replicas
-    if replicas > 1:  # one replica's pipeline: its share of the micro-batches, each 1/chunks of the compute
-        spec, chunks = _replica_share(spec, replicas, links), chunks // replicas
+    # One replica's pipeline: its share of the micro-batches, each 1/chunks of the compute, placed on the nodes.
+    spec, chunks = replica_view(spec, stages, replicas, links, nodes), chunks // replicas
     labels = spec.labels()
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -276,7 +279,8 @@ def plan_layouts(spec: SpaceSpec, processes: int, window: int = 16, chunks: int 
     ``subnets_per_step * chunks`` micro-batches a multiple of ``D``; by increasing ``S``. With several subnets per
     training step (the recipes of :mod:`..pipeline.step_sampling`), a step is modelled as one subnet of that many
     times a subnet's compute in ``subnets_per_step * chunks`` micro-batches and one update (:func:`_steps_of`), and
-    the rates count steps. ``kwargs`` go to :func:`simulate` (its ``subnets``: how many to simulate)."""
+    the rates count steps. ``kwargs`` go to :func:`simulate` (its ``subnets``: how many to simulate; its ``nodes``:
+    the nodes the processes span)."""
     spec, chunks = _steps_of(spec, chunks, subnets_per_step)
     return [simulate(spec, s, window, chunks, schedule, replicas=d, **kwargs)
             for s, d in fitting_layouts(processes, len(spec.blocks), chunks)]
@@ -304,15 +308,6 @@ def _steps_of(spec: SpaceSpec, chunks: int, subnets: int) -> tuple[SpaceSpec, in
 def best_layout(predictions: Sequence[Prediction]) -> Prediction:
     """The fastest prediction (most subnets/s); on a tie, the one with fewer stages."""
     return max(predictions, key=lambda p: (p.subnets_per_s, -p.stages))
-
-
-def _replica_share(spec: SpaceSpec, replicas: int, links: LinkModel | None = None) -> SpaceSpec:
-    """The space as one replica of ``replicas`` sees it: each candidate's compute is the replica's share of the
-    batch; each subnet's update on a stage waits for the streamed reduction of its gradients there
-    (:func:`.links.streamed_chain_ms`), and each window for the gather of the last stage's losses."""
-    return replace(spec.compute_scaled(lambda ms: ms / replicas), reduce_hops=2.0 * (replicas - 1),
-                   sync_ms=spec.sync_ms + spec.message_ms + spec.message_cpu_ms,
-                   replica_links=links or spec.replica_links)
 
 
 def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int, stages: int,
