@@ -24,8 +24,9 @@ import json
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,9 @@ class LatencyTable:
     device: str
     batch_size: int
     nested: tuple[tuple[tuple[str, tuple[float, ...]], ...], ...] = ()
+    #: Supernets :meth:`check` accepted (checked once each, not per prediction).
+    _checked: weakref.WeakSet[Supernet] = field(default_factory=weakref.WeakSet, init=False, repr=False,
+                                                compare=False)
 
     @classmethod
     def measure(cls, supernet: Supernet, example_input: BlockValue, repeats: int = 10) -> LatencyTable:
@@ -119,12 +123,30 @@ class LatencyTable:
                 its unreached labels contribute nothing.
         """
         if supernet is not None:
+            if supernet not in self._checked:  # a table of another space would index out of its rows
+                self.check(supernet)
+                self._checked.add(supernet)
             architecture = supernet.canonical(architecture) if self.nested else supernet.validate(architecture)
+        else:
+            self._check_architecture(architecture)
         total = sum(row[architecture[label]] if label is not None else row[0]
                     for row, label in zip(self.entries, self.labels))
         if self.nested:
             total += sum(deltas[architecture[label]] for block in self.nested for label, deltas in block)
         return total
+
+    def _check_architecture(self, architecture: Mapping[str, int]) -> None:
+        """Refuse, naming the fix, an architecture that does not fit the table (without a supernet to check it)."""
+        counts = {label: len(row) for row, label in zip(self.entries, self.labels) if label is not None}
+        counts.update((label, len(deltas)) for block in self.nested for label, deltas in block)
+        for label, count in counts.items():
+            value = architecture.get(label) if isinstance(architecture, Mapping) else None
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+                raise NASPipeConfigError(
+                    f"LatencyTable.predict: the architecture's choice for label {label!r} is "
+                    f"{'missing' if value is None else repr(value)}, but this table has {count} candidates there "
+                    f"(0 to {count - 1}): the architecture is not of the table's space. Pass the table's supernet, "
+                    "table.predict(architecture, model.supernet), to have it validated and canonicalised.")
 
     def fastest_ms(self) -> float:
         """A lower bound of every prediction: each block's fastest entry, plus each nested label's smallest delta
