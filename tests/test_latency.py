@@ -100,7 +100,8 @@ def _noisy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
     """Replace the end-to-end measurement by a counted one whose value differs on every call (as noise would)."""
     calls: list[dict[str, int]] = []
 
-    def fake(supernet: Any, architecture: Any, example_input: Any, repeats: int = 10, warmup: int = 2) -> float:
+    def fake(supernet: Any, architecture: Any, example_input: Any, repeats: int = 10, warmup: int = 2,
+             **timing: Any) -> float:
         calls.append(dict(architecture))
         return 1.0 + architecture["a"] + 0.5 * architecture["b"] + 0.001 * len(calls)
 
@@ -183,7 +184,7 @@ def _by_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     """Time a module as 1 ms plus 1 ms per 1000 parameters: deterministic, and larger choices cost more."""
 
     def fake(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = 2,
-             device: torch.device | None = None) -> float:
+             device: torch.device | None = None, **timing: Any) -> float:
         module(example_input)  # the input must fit the module
         return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
 
