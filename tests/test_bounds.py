@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from lightning_naspipe.searching.bounds import space_bounds
+from lightning_naspipe.searching.bounds import refuse_impossible, space_bounds
 from test_latency import _Net, _supernet
 
 #: The toy space's architectures and parameter counts: a0b0 67, a0b1 139, a1b0 139, a1b1 211, a2b0 4427, a2b1 4499.
@@ -96,6 +96,25 @@ def test_shared_labels_give_sound_bounds_that_never_refuse_a_feasible_ask() -> N
     assert {r.params for r in lnp.search(None, Shared(), lnp.GridSearch(), _data(), max_params=40).history} == {35}
     with pytest.raises(lnp.NASPipeConfigError, match="the smallest has at least 15"):
         lnp.search(None, Shared(), lnp.GridSearch(), _data(), max_params=14)
+
+
+def test_tied_weights_are_counted_once_in_the_lower_bound() -> None:
+    # The first block's Linear(4, 4) is tied into the last block's candidate 0: a subnet holds it once.
+    class Tied(_Net):
+        def __init__(self) -> None:
+            super().__init__()
+            tied = nn.Linear(4, 4)
+            self.supernet = lnp.Supernet(tied, lnp.ChoiceBlock([nn.Identity(), nn.Linear(4, 4)], label="a"),
+                                         lnp.ChoiceBlock([tied, nn.Linear(4, 4)], label="h"), nn.Linear(4, 3))
+
+    supernet = Tied().supernet
+    bounds = space_bounds(supernet)
+    true = [sum(p.numel() for p in supernet.freeze({"a": a, "h": h}).parameters()) for a in range(2) for h in range(2)]
+    assert not bounds.exact and (bounds.min_params, bounds.max_params) == (35, 75)
+    assert min(true) == 35 and max(true) <= 75  # the lower bound is met; per block, the upper one is not tight
+    assert refuse_impossible(lnp.Constraints(max_params=35), supernet) == bounds
+    with pytest.raises(lnp.NASPipeConfigError, match="the smallest has at least 35"):
+        refuse_impossible(lnp.Constraints(max_params=34), supernet)
 
 
 def test_predict_refuses_an_architecture_or_a_supernet_of_another_space_naming_the_fix() -> None:

@@ -8,7 +8,8 @@ the block's parameters (and, given an input, FLOPs) counted. The space's bounds 
 and maxima. They are *sound*: no architecture lies outside them, so a refusal never turns away a feasible ask.
 They are *exact* when no label is read by two blocks and no parameter is shared between blocks; otherwise a label's
 choices must agree across its blocks (which can only raise the true minimum or lower the true maximum) and tied
-weights are counted once in a subnet (the lower bound then leaves them out, the upper bound counts them per block).
+weights are counted once in a subnet (the lower bound then subtracts each tied weight once per extra block holding
+it, the upper bound counts it per block).
 FLOPs are bounded only where every block's output has the same shapes under all its choices, so that what each
 block receives does not depend on the architecture; else they are left unbounded (nothing refused).
 """
@@ -67,54 +68,56 @@ def space_bounds(supernet: Supernet, example_input: Any = None) -> SpaceBounds:
     combos = [math.prod(supernet.labels[label] for label in labels) for labels in blocks]
     if max(combos, default=1) > MAX_COMBINATIONS:
         return SpaceBounds(None, None)
-    shared = _shared_parameters(supernet, reference)
-    low = high = 0
+    tied = _tied_overlap(supernet)
+    low, high = -tied, 0  # a tied weight is counted once per block that holds it, but once in a subnet
     flop_low: Optional[int] = 0 if example_input is not None else None
     flop_high: Optional[int] = flop_low
     smallest: dict[str, int] = {}
     largest: dict[str, int] = {}
     x = example_input
     for b, labels in enumerate(blocks):
-        rows: list[tuple[int, int, int, str, dict[str, int]]] = []  # own params, all, FLOPs, shapes, choice
+        rows: list[tuple[int, int, str, dict[str, int]]] = []  # params, FLOPs, output shapes, choice
         following = x  # what the next block receives: this block's output at the reference (the first choice)
         for values in itertools.product(*(range(supernet.labels[label]) for label in labels)):
             choice = dict(zip(labels, values))
             block = frozen_shapes(supernet, {**reference, **choice})[b].eval()
-            params = {id(p): p.numel() for p in block.parameters()}
-            own = sum(n for key, n in params.items() if key not in shared)
+            params = sum(p.numel() for p in block.parameters())
             flops, shapes = 0, ""
             if flop_low is not None:
-                flops, shapes, out = _flops(block, x)
-                following = out if not rows else following
-            rows.append((own, sum(params.values()), flops, shapes, choice))
+                try:
+                    flops, shapes, out = _flops(block, x)
+                except (RuntimeError, ValueError, TypeError, IndexError):  # it cannot run on the reference input
+                    flop_low = flop_high = None
+                else:
+                    following = out if not rows else following
+            rows.append((params, flops, shapes, choice))
         low += min(r[0] for r in rows)
-        high += max(r[1] for r in rows)
-        smallest.update(min(rows, key=lambda r: r[1])[4])
-        largest.update(max(rows, key=lambda r: r[1])[4])
+        high += max(r[0] for r in rows)
+        smallest.update(min(rows, key=lambda r: r[0])[3])
+        largest.update(max(rows, key=lambda r: r[0])[3])
         if flop_low is not None and flop_high is not None:
-            if len({r[3] for r in rows}) > 1:  # what later blocks receive depends on this block's choices
+            if len({r[2] for r in rows}) > 1:  # what later blocks receive depends on this block's choices
                 flop_low = flop_high = None
             else:
-                flop_low += min(r[2] for r in rows)
-                flop_high += max(r[2] for r in rows)
+                flop_low += min(r[1] for r in rows)
+                flop_high += max(r[1] for r in rows)
                 x = following
-    exact = not shared and sum(len(labels) for labels in blocks) == len({label for ls in blocks for label in ls})
+    exact = not tied and sum(len(labels) for labels in blocks) == len({label for ls in blocks for label in ls})
     samples = batch_size_of(example_input)
-    return SpaceBounds(low, high, None if flop_low is None else flop_low // samples,
+    return SpaceBounds(max(low, 0), high, None if flop_low is None else flop_low // samples,
                        None if flop_high is None else -(-flop_high // samples), exact,
                        {**reference, **smallest} if exact else None, {**reference, **largest} if exact else None)
 
 
-def _shared_parameters(supernet: Supernet, reference: Architecture) -> set[int]:
-    """Ids of the parameters of the reference subnet that two blocks hold (tied weights)."""
-    net = frozen_shapes(supernet, reference)
-    seen: dict[int, int] = {}
-    shared = set()
-    for b, block in enumerate(net):
+def _tied_overlap(supernet: Supernet) -> int:
+    """How many parameters the blocks' counts can hold twice: each supernet parameter held by ``k > 1`` blocks (tied
+    weights), ``k - 1`` times its size (a subnet's copy of it is at most that size)."""
+    holders: dict[int, tuple[int, int]] = {}  # id -> (blocks holding it, size)
+    for block in supernet.blocks:
         for p in block.parameters():
-            if seen.setdefault(id(p), b) != b:
-                shared.add(id(p))
-    return shared
+            held = holders.get(id(p), (0, p.numel()))
+            holders[id(p)] = (held[0] + 1, held[1])
+    return sum((count - 1) * size for count, size in holders.values())
 
 
 def _flops(block: torch.nn.Module, x: Any) -> tuple[int, str, Any]:
