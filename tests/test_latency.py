@@ -287,3 +287,26 @@ def test_fastest_and_slowest_bound_every_nested_prediction() -> None:
     assert result.history and all(table.predict(r.architecture) <= budget for r in result.history)
     with pytest.raises(lnp.NASPipeConfigError, match="no architecture can meet it"):
         lnp.search(None, model, lnp.GridSearch(), data, latency=table, max_latency_ms=table.fastest_ms() * 0.99)
+
+
+def test_the_cli_export_times_the_best_subnet_at_the_latency_tables_batch_size(tmp_path: Path) -> None:
+    from lightning_naspipe.integration.cli import _export
+
+    model = _Net()
+    result = lnp.SearchResult([lnp.Record(0, {"a": 1, "b": 0}, 1.0, 10, 100)], maximize=False)
+
+    class Loaders:
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def val_dataloader(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [(torch.randn(self.size, 4), torch.randint(0, 3, (self.size,)))]
+
+    def recorded(folder: Path) -> Any:
+        return json.loads((folder / "architecture.json").read_text())["latency"]["batch_size"]
+
+    # The validation batch (64) is cut to the table's batch size (32): the latency compares with its predictions.
+    assert recorded(_export(model, result, Loaders(64), None, str(tmp_path / "a"), 1, 32)) == 32
+    assert recorded(_export(model, result, Loaders(64), None, str(tmp_path / "b"), 1)) == 64  # no table: as given
+    with pytest.warns(UserWarning, match="holds 16 samples, fewer than the latency table's batch size 32"):
+        assert recorded(_export(model, result, Loaders(16), None, str(tmp_path / "c"), 1, 32)) == 16
