@@ -25,10 +25,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.pipeline.sampling.step_sampling import frozen_shapes
 from lightning_naspipe.searching.constraints import Constraints
 from lightning_naspipe.searching.latency import batch_size_of, inner_labels
 from lightning_naspipe.space.choice import Architecture
+from lightning_naspipe.space.freezing import freeze_block
 from lightning_naspipe.space.supernet import Supernet, describe
 
 __all__ = ["SpaceBounds", "refuse_impossible", "space_bounds"]
@@ -80,7 +80,7 @@ def space_bounds(supernet: Supernet, example_input: Any = None) -> SpaceBounds:
         following = x  # what the next block receives: this block's output at the reference (the first choice)
         for values in itertools.product(*(range(supernet.labels[label]) for label in labels)):
             choice = dict(zip(labels, values))
-            block = frozen_shapes(supernet, {**reference, **choice})[b].eval()
+            block = freeze_block(supernet, b, {**reference, **choice}).eval()
             params = sum(p.numel() for p in block.parameters())
             flops, shapes = 0, ""
             if flop_low is not None:
