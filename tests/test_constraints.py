@@ -70,12 +70,12 @@ def test_an_empty_range_is_a_clear_error_naming_it() -> None:
     # Decided by the searcher: the error names the ranges.
     model = _Net()
     with pytest.raises(lnp.NASPipeConfigError, match=r"GridSearch found no architecture within the constraints "
-                                                     r"\(params >= 5000, predicted latency <= 5.0 ms\)"):
+                                                     r"\(params >= 4400, predicted latency <= 5.0 ms\)"):
         lnp.search(None, model, lnp.GridSearch(), _data(),
-                   constraints=lnp.Constraints(min_params=5000, max_latency_ms=5.0, latency=TABLE))
-    with pytest.raises(lnp.NASPipeConfigError, match=r"The search's constraints: params in \[5000, 9000\]"):
-        lnp.search(None, model, lnp.RandomSearch(2), _data(), constraints=lnp.Constraints(min_params=5000,
-                                                                                          max_params=9000))
+                   constraints=lnp.Constraints(min_params=4400, max_latency_ms=5.0, latency=TABLE))
+    with pytest.raises(lnp.NASPipeConfigError, match=r"The search's constraints: params in \[300, 4000\]"):
+        lnp.search(None, model, lnp.RandomSearch(2), _data(), constraints=lnp.Constraints(min_params=300,
+                                                                                          max_params=4000))
 
 
 def test_the_penalty_reorders_known_records_as_mnasnet_specifies() -> None:

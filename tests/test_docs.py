@@ -29,6 +29,7 @@ import importlib
 import inspect
 import re
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def test_design_module_tables_match_the_tree() -> None:
 SIGNATURE = re.compile(r"^((?:lnp|lightning_naspipe)(?:\.\w+)+)\((.*)\)(?:\s*->\s*(.+))?$", re.S)
 METHOD = re.compile(r"^(\w+)\((.*)\)(?:\s*->\s*(.+))?$", re.S)
 #: What doc defaults may name.
-DEFAULTS_NAMESPACE: dict[str, Any] = {"timedelta": timedelta, "torch": torch, "nn": nn, "lnp": lnp}
+DEFAULTS_NAMESPACE: dict[str, Any] = {"timedelta": timedelta, "torch": torch, "nn": nn, "lnp": lnp, "time": time}
 
 
 def api_text() -> str:

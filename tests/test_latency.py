@@ -100,7 +100,8 @@ def _noisy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
     """Replace the end-to-end measurement by a counted one whose value differs on every call (as noise would)."""
     calls: list[dict[str, int]] = []
 
-    def fake(supernet: Any, architecture: Any, example_input: Any, repeats: int = 10, warmup: int = 2) -> float:
+    def fake(supernet: Any, architecture: Any, example_input: Any, repeats: int = 10, warmup: int = 2,
+             **timing: Any) -> float:
         calls.append(dict(architecture))
         return 1.0 + architecture["a"] + 0.5 * architecture["b"] + 0.001 * len(calls)
 
@@ -183,7 +184,7 @@ def _by_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     """Time a module as 1 ms plus 1 ms per 1000 parameters: deterministic, and larger choices cost more."""
 
     def fake(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = 2,
-             device: torch.device | None = None) -> float:
+             device: torch.device | None = None, **timing: Any) -> float:
         module(example_input)  # the input must fit the module
         return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
 
@@ -286,3 +287,26 @@ def test_fastest_and_slowest_bound_every_nested_prediction() -> None:
     assert result.history and all(table.predict(r.architecture) <= budget for r in result.history)
     with pytest.raises(lnp.NASPipeConfigError, match="no architecture can meet it"):
         lnp.search(None, model, lnp.GridSearch(), data, latency=table, max_latency_ms=table.fastest_ms() * 0.99)
+
+
+def test_the_cli_export_times_the_best_subnet_at_the_latency_tables_batch_size(tmp_path: Path) -> None:
+    from lightning_naspipe.integration.cli import _export
+
+    model = _Net()
+    result = lnp.SearchResult([lnp.Record(0, {"a": 1, "b": 0}, 1.0, 10, 100)], maximize=False)
+
+    class Loaders:
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def val_dataloader(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [(torch.randn(self.size, 4), torch.randint(0, 3, (self.size,)))]
+
+    def recorded(folder: Path) -> Any:
+        return json.loads((folder / "architecture.json").read_text())["latency"]["batch_size"]
+
+    # The validation batch (64) is cut to the table's batch size (32): the latency compares with its predictions.
+    assert recorded(_export(model, result, Loaders(64), None, str(tmp_path / "a"), 1, 32)) == 32
+    assert recorded(_export(model, result, Loaders(64), None, str(tmp_path / "b"), 1)) == 64  # no table: as given
+    with pytest.warns(UserWarning, match="holds 16 samples, fewer than the latency table's batch size 32"):
+        assert recorded(_export(model, result, Loaders(16), None, str(tmp_path / "c"), 1, 32)) == 16

@@ -26,6 +26,7 @@ import itertools
 import os
 import statistics
 import sys
+import warnings
 from functools import cache
 from typing import Any, Optional, Union
 
@@ -35,11 +36,12 @@ from lightning_naspipe.integration.strategy import NASPipeStrategy
 from lightning_naspipe.integration.verify import adopt, compare, current_role, rerun_command, role_overrides, train_role
 from lightning_naspipe.searching.constraints import Constraints
 from lightning_naspipe.searching.export import save_subnet
-from lightning_naspipe.searching.latency import LatencyTable
+from lightning_naspipe.searching.latency import LatencyTable, batch_size_of
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
 from lightning_naspipe.namespaces import Namespace, installed, namespace_of
 from lightning_naspipe.searching.search_loop import SearchResult, search
 from lightning_naspipe.searching.searchers import EvolutionSearch, GridSearch, RandomSearch, SPOSSearch
+from lightning_naspipe.space.boundary import map_tensors
 from lightning_naspipe.space.supernet import supernet_of
 
 __all__ = ["naspipe_cli"]
@@ -208,7 +210,11 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
             print(f"score against {axis}: {result.plot(plot_path)}")
         if export_path is not None:
             repeats = constraints.repeats if constraints is not None else 10
-            print(f"best subnet saved to {_export(model, result, loaders, calibration, export_path, repeats)}")
+            used = table if table is not None else constraints.table if constraints is not None else None
+            size = used.batch_size if used is not None else None
+            saved = _export(model, result, loaders, calibration, export_path, repeats, size)
+            timed = "" if size is None else f" (latency timed at batch size {size}, the latency table's)"
+            print(f"best subnet saved to {saved}{timed}")
     return result
 
 
@@ -253,10 +259,20 @@ def _report(result: SearchResult, searcher: Any) -> None:
 
 
 def _export(model: Any, result: SearchResult, loaders: Any, calibration: list[Any] | None, folder: str,
-            repeats: int) -> Any:
+            repeats: int, batch_size: int | None = None) -> Any:
+    """Save the best subnet with its latency timed on a validation batch; at ``batch_size`` (a latency table's)
+    when given, so the recorded latency compares with the table's predictions."""
     net = supernet_of(model).freeze(result.best)
     if calibration:
         recalibrate_batchnorm(net, calibration, forward=lambda batch: net(model.pipeline_input(batch)))
     example = model.pipeline_input(next(iter(loaders.val_dataloader())))
+    given = batch_size_of(example)
+    if batch_size is not None and given > batch_size:  # every tensor's first dimension is the batch (as exported)
+        example = map_tensors(lambda t: t[:batch_size] if t.dim() else t, example)
+    elif batch_size is not None and given < batch_size:
+        warnings.warn(f"search --export_path: the validation batch holds {given} samples, fewer than the latency "
+                      f"table's batch size {batch_size}: the exported subnet's latency is timed at {given} and does "
+                      "not compare with the table's predictions. Validate with batches of at least "
+                      f"{batch_size}, or build the table at {given}.", stacklevel=2)
     # The folder records the subnet's latency measured end to end, with the device and batch size.
     return save_subnet(net.eval(), folder, example, result.best, latency_repeats=repeats)

@@ -24,8 +24,10 @@ import json
 import os
 import statistics
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +40,13 @@ from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Elastic, When
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 from lightning_naspipe.space.boundary import tensors_in
+from lightning_naspipe.searching.timing import WARMUP, Clock, time_module, warn_if_noisy
 
-__all__ = ["LatencyReport", "LatencyTable", "batch_size_of", "device_name", "inner_labels", "measure_latency",
-           "time_module"]
+__all__ = ["INACCURATE_PCT", "LatencyReport", "LatencyTable", "batch_size_of", "device_name", "inner_labels",
+           "measure_latency", "time_module"]
 
-#: Warm-up runs before the timed ones, everywhere latency is measured.
-WARMUP = 2
-
+#: A mean absolute prediction error (percent) above which :meth:`LatencyTable.error` warns.
+INACCURATE_PCT = 20.0
 
 @dataclass(frozen=True)
 class LatencyTable:
@@ -67,15 +69,23 @@ class LatencyTable:
     device: str
     batch_size: int
     nested: tuple[tuple[tuple[str, tuple[float, ...]], ...], ...] = ()
+    #: Supernets :meth:`check` accepted (checked once each, not per prediction).
+    _checked: weakref.WeakSet[Supernet] = field(default_factory=weakref.WeakSet, init=False, repr=False,
+                                                compare=False)
 
     @classmethod
-    def measure(cls, supernet: Supernet, example_input: BlockValue, repeats: int = 10) -> LatencyTable:
+    def measure(cls, supernet: Supernet, example_input: BlockValue, repeats: int = 10, *,
+                clock: Clock = time.perf_counter) -> LatencyTable:
         """Time every candidate of every block in place, on the device of ``supernet``'s parameters.
+
+        Warns when the machine was busy: when the timed runs of a measurement spread by more than
+        :data:`~.timing.NOISY_SPREAD` of their median (the median over the table's measurements), naming the spread.
 
         Args:
             supernet: the search space (not modified: a copy is timed).
             example_input: what the first block receives for one batch, on that device.
             repeats: timed runs per candidate after two warm-up runs; the median is kept.
+            clock: ``clock() -> seconds`` the runs are timed with (a fake one in tests).
         """
         if repeats < 1:
             raise NASPipeConfigError(f"LatencyTable.measure(repeats={repeats}): give at least 1.")
@@ -86,13 +96,15 @@ class LatencyTable:
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in net.blocks)
         entries: list[tuple[float, ...]] = []
         nested: list[tuple[tuple[str, tuple[float, ...]], ...]] = []
+        spreads: list[float] = []  # per measurement, how far its runs disagree: the machine's load
         seen: set[str] = set()  # the labels earlier blocks read: a choice of theirs changes what block b receives
         x: Any = example_input
         with torch.no_grad():
             for b, label in enumerate(labels):
                 count = net.labels[label] if label is not None else 1
                 entries.append(tuple(time_module(net.freeze({**reference, **({label: k} if label else {})})[b], x,
-                                                 repeats, device=device) for k in range(count)))
+                                                 repeats, device=device, clock=clock, spreads=spreads)
+                                     for k in range(count)))
                 inside = inner_labels(net.blocks[b])
                 rows = []
                 for inner in inside if label is None else ():
@@ -100,11 +112,13 @@ class LatencyTable:
                     for k in range(1, net.labels[inner]):
                         arch = {**reference, inner: k}
                         given = _input_of(net, b, example_input, arch) if inner in seen else x
-                        row.append(time_module(net.freeze(arch)[b], given, repeats, device=device) - entries[-1][0])
+                        row.append(time_module(net.freeze(arch)[b], given, repeats, device=device, clock=clock,
+                                               spreads=spreads) - entries[-1][0])
                     rows.append((inner, tuple(row)))
                 nested.append(tuple(rows))
                 seen.update(inside)
                 x = net.run_block(b, x, reference)
+        warn_if_noisy(spreads, "LatencyTable.measure")
         return cls(tuple(entries), labels, device_name(net), batch_size_of(example_input),
                    tuple(nested) if any(nested) else ())
 
@@ -119,12 +133,30 @@ class LatencyTable:
                 its unreached labels contribute nothing.
         """
         if supernet is not None:
+            if supernet not in self._checked:  # a table of another space would index out of its rows
+                self.check(supernet)
+                self._checked.add(supernet)
             architecture = supernet.canonical(architecture) if self.nested else supernet.validate(architecture)
+        else:
+            self._check_architecture(architecture)
         total = sum(row[architecture[label]] if label is not None else row[0]
                     for row, label in zip(self.entries, self.labels))
         if self.nested:
             total += sum(deltas[architecture[label]] for block in self.nested for label, deltas in block)
         return total
+
+    def _check_architecture(self, architecture: Mapping[str, int]) -> None:
+        """Refuse, naming the fix, an architecture that does not fit the table (without a supernet to check it)."""
+        counts = {label: len(row) for row, label in zip(self.entries, self.labels) if label is not None}
+        counts.update((label, len(deltas)) for block in self.nested for label, deltas in block)
+        for label, count in counts.items():
+            value = architecture.get(label) if isinstance(architecture, Mapping) else None
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+                raise NASPipeConfigError(
+                    f"LatencyTable.predict: the architecture's choice for label {label!r} is "
+                    f"{'missing' if value is None else repr(value)}, but this table has {count} candidates there "
+                    f"(0 to {count - 1}): the architecture is not of the table's space. Pass the table's supernet, "
+                    "table.predict(architecture, model.supernet), to have it validated and canonicalised.")
 
     def fastest_ms(self) -> float:
         """A lower bound of every prediction: each block's fastest entry, plus each nested label's smallest delta
@@ -145,8 +177,11 @@ class LatencyTable:
 
     def error(self, supernet: Supernet, example_input: BlockValue,
               architectures: Sequence[Mapping[str, int]] | None = None, samples: int = 20, seed: int = 0,
-              repeats: int = 10) -> LatencyReport:
+              repeats: int = 10, *, clock: Clock = time.perf_counter) -> LatencyReport:
         """The predictor's error: each architecture's prediction against its frozen subnet timed end to end.
+
+        Warns when the machine was busy (as :meth:`measure` does), and when the mean absolute error exceeds
+        :data:`INACCURATE_PCT`, naming ``latency="measured"`` (the search times each architecture end to end).
 
         Args:
             supernet: the supernet the table was measured on, on the same device.
@@ -156,6 +191,7 @@ class LatencyTable:
             samples: how many to draw when ``architectures`` is not given.
             seed: the draw's seed.
             repeats: timed runs per architecture (:func:`measure_latency`).
+            clock: ``clock() -> seconds`` the runs are timed with (a fake one in tests).
         """
         self.check(supernet)
         if architectures is None:
@@ -166,9 +202,19 @@ class LatencyTable:
             architectures = list(drawn.values())
         if not architectures:
             raise NASPipeConfigError("LatencyTable.error needs at least one architecture (samples >= 1).")
-        rows = tuple((dict(a), self.predict(a, supernet), measure_latency(supernet, a, example_input, repeats))
+        spreads: list[float] = []
+        rows = tuple((dict(a), self.predict(a, supernet),
+                      measure_latency(supernet, a, example_input, repeats, clock=clock, spreads=spreads))
                      for a in architectures)
-        return LatencyReport(rows, self.device, self.batch_size)
+        warn_if_noisy(spreads, "LatencyTable.error")
+        report = LatencyReport(rows, self.device, self.batch_size)
+        if report.mean_abs_pct > INACCURATE_PCT:
+            warnings.warn(
+                f"LatencyTable.error: the table's predictions are off by {report.mean_abs_pct:.1f}% on average "
+                f"(above {INACCURATE_PCT:.0f}%) against end-to-end latency on {len(rows)} architectures: the sum of "
+                "in-place block times does not model this device well. Search with "
+                'lnp.Constraints(latency="measured") to time each architecture end to end instead.', stacklevel=2)
+        return report
 
     def check(self, supernet: Supernet) -> None:
         """Refuse a table measured on another supernet (other blocks, labels or candidate counts, or other labels
@@ -251,7 +297,8 @@ class LatencyReport:
 
 
 def measure_latency(supernet: Supernet, architecture: Mapping[str, int], example_input: BlockValue,
-                    repeats: int = 10, warmup: int = WARMUP) -> float:
+                    repeats: int = 10, warmup: int = WARMUP, *, clock: Clock = time.perf_counter,
+                    spreads: list[float] | None = None) -> float:
     """The latency of ``architecture`` in milliseconds: its frozen subnet timed end to end.
 
     The subnet (``supernet.freeze(architecture)``) runs in eval mode without gradients on ``example_input``
@@ -265,34 +312,10 @@ def measure_latency(supernet: Supernet, architecture: Mapping[str, int], example
         example_input: what the first block receives for one batch, on the supernet's device.
         repeats: timed runs (at least 1).
         warmup: untimed runs first.
+        clock: ``clock() -> seconds`` the runs are timed with.
+        spreads: where to append the runs' relative spread (:func:`~.timing.relative_spread`), when given.
     """
-    return time_module(supernet.freeze(architecture), example_input, repeats, warmup)
-
-
-def time_module(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = WARMUP,
-                device: torch.device | None = None) -> float:
-    """The median latency of ``module(example_input)`` in milliseconds (eval mode, no gradients, ``device``
-    synchronised: by default that of the module's parameters); the module's mode is restored."""
-    if repeats < 1 or warmup < 0:
-        raise NASPipeConfigError(f"Timing a module with repeats={repeats}, warmup={warmup}: give repeats >= 1 and "
-                                 "warmup >= 0.")
-    if device is None:
-        device = next(iter(module.parameters()), torch.empty(0)).device
-    was_training = module.training
-    module.eval()
-    times = []
-    try:
-        with torch.no_grad():
-            for run in range(warmup + repeats):
-                _synchronize(device)
-                start = time.perf_counter()
-                module(example_input)
-                _synchronize(device)
-                if run >= warmup:
-                    times.append(1000 * (time.perf_counter() - start))
-    finally:
-        module.train(was_training)
-    return statistics.median(times)
+    return time_module(supernet.freeze(architecture), example_input, repeats, warmup, clock=clock, spreads=spreads)
 
 
 def inner_labels(block: nn.Module) -> tuple[str, ...]:
@@ -319,11 +342,6 @@ def device_name(module: nn.Module) -> str:
     """Where ``module``'s parameters are, e.g. ``"cpu"`` or ``"cuda:0 (NVIDIA H100 ...)"``."""
     device = next(iter(module.parameters()), torch.empty(0)).device
     return str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def batch_size_of(value: Any) -> int:

@@ -12,7 +12,8 @@ Architectures with one :meth:`canonical form <.supernet.Supernet.canonical>` fre
 subnet, so one evaluation scores all of them, whatever a searcher proposes.
 
 Constraints (:class:`~.constraints.Constraints`) are hard filters applied before an architecture is evaluated
-(a latency range a table cannot meet is refused before anything is evaluated) and an optional soft latency penalty
+(a parameter, FLOP or latency range no architecture of the space can meet is refused before anything is
+drawn or evaluated, naming the space's bound: :mod:`.bounds`) and an optional soft latency penalty
 applied to each score. Under a table every process predicts the same latency; under measured latency the first
 process measures, the others take its number, and the log keeps every measurement for a resumed search.
 """
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from lightning_naspipe.errors import NASPipeConfigError
+from lightning_naspipe.searching.bounds import refuse_impossible
 from lightning_naspipe.searching.constraints import Constraints
 from lightning_naspipe.searching.latency import LatencyTable
 from lightning_naspipe.searching.scoring import LatencySource, Scorer as _Scorer
@@ -179,6 +181,8 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
     metric = getattr(model, "search_metric", None)
     maximize = bool(getattr(model, "search_higher_is_better", True)) if metric is not None else False
     score = _Scorer(model, supernet, batches, calibration_batches, metric)
+    # Counted from the space on the first batch, before anything is drawn: an impossible size range is refused.
+    refuse_impossible(limits, supernet, model.pipeline_input(batches[0]))
     # What the scores depend on besides the architecture: a log written for anything else is refused. Settings
     # beyond max_params/max_flops join the hash only when given, so logs of searches without them still resume.
     extra = limits.settings() if (limits.latency is not None or limits.min_params is not None

@@ -61,6 +61,16 @@ def freeze(supernet: Supernet, architecture: Mapping[str, int], reinitialize: bo
     return frozen.train(supernet.training)
 
 
+def freeze_block(supernet: Supernet, index: int, architecture: Mapping[str, int]) -> nn.Module:
+    """Block ``index`` of ``supernet.freeze(architecture)``, without copying the other blocks: what counting one
+    block's parameters and FLOPs needs (on any process: shapes alone decide them)."""
+    architecture = supernet.validate(architecture)
+    unchosen: list[nn.Module] = []
+    _collect_unchosen(supernet.blocks[index], architecture, unchosen)
+    memo: dict[int, Any] = {id(module): Inactive() for module in unchosen}
+    return _resolve(copy.deepcopy(supernet.blocks[index], memo), architecture, {})
+
+
 def _is_active(when: When, architecture: Mapping[str, int]) -> bool:
     return architecture[when.label] in when.values
 

@@ -1,0 +1,65 @@
+"""Timings that know when they are unreliable: a busy machine (a fake clock whose repeats disagree) makes table
+building and the error report warn naming the spread, a steady one does not; a table whose predictions are far off
+warns naming latency="measured"."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import lightning_naspipe as lnp
+from lightning_naspipe.searching.timing import relative_spread
+from test_latency import _supernet
+
+
+class _Clock:
+    """A fake ``perf_counter``: each timed run (a start and an end reading) lasts the next of ``durations_ms``."""
+
+    def __init__(self, durations_ms: Sequence[float]) -> None:
+        self.now, self.started, self.durations = 0.0, False, itertools.cycle(durations_ms)
+
+    def __call__(self) -> float:
+        self.started = not self.started
+        if not self.started:
+            self.now += next(self.durations) / 1000
+        return self.now
+
+
+STEADY = [2.0]
+BUSY = [2.0, 2.0, 9.0, 2.0, 14.0, 3.0, 2.0]  # other jobs take the cores now and then
+
+
+def test_the_spread_is_the_interquartile_range_over_the_median() -> None:
+    assert relative_spread([2.0] * 5) == 0.0 and relative_spread([2.0]) == 0.0
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 3.0)
+
+
+def test_building_a_table_on_a_busy_machine_warns_naming_the_spread_and_on_a_steady_one_does_not() -> None:
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match=r"LatencyTable.measure: the timed runs spread by \d+% of their median.*"
+                                         r"timings taken under load are unreliable"):
+        lnp.LatencyTable.measure(_supernet(), x, repeats=7, clock=_Clock(BUSY))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table = lnp.LatencyTable.measure(_supernet(), x, repeats=7, clock=_Clock(STEADY))
+    assert all(t == pytest.approx(2.0) for row in table.entries for t in row)  # the clock's time is what is kept
+
+
+def test_the_error_report_warns_on_a_busy_machine_and_names_measured_latency_when_far_off() -> None:
+    supernet, x = _supernet(), torch.randn(8, 4)
+    # Every prediction is 8.0 ms; measured end to end each subnet takes 2.0 ms: 300% off.
+    far = lnp.LatencyTable(((2.0,), (2.0, 2.0, 2.0), (2.0, 2.0), (2.0,)), (None, "a", "b", None), "cpu", 8)
+    with pytest.warns(UserWarning, match=r"off by 300.0% on average.*latency=\"measured\""):
+        report = far.error(supernet, x, samples=3, repeats=3, clock=_Clock(STEADY))
+    assert report.mean_abs_pct == pytest.approx(300.0)
+    with pytest.warns(UserWarning, match=r"LatencyTable.error: the timed runs spread by"):
+        close = lnp.LatencyTable(((0.5,), (0.5,) * 3, (0.5,) * 2, (0.5,)), far.labels, "cpu", 8)
+        close.error(supernet, x, samples=3, repeats=7, clock=_Clock(BUSY))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        steady = close.error(supernet, x, samples=3, repeats=3, clock=_Clock(STEADY))
+    assert steady.mean_abs_pct == pytest.approx(0.0, abs=1e-9)
