@@ -129,3 +129,15 @@ def train_grid(modules: Sequence[Sequence[EngineModule]], stage_blocks: Sequence
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "a replica thread hangs"
     return losses
+
+
+def assert_grid_equals(losses: Sequence[Tensor], expected: dict[str, Tensor], found: Sequence[Sequence[Tensor]],
+                       grid: Sequence[Sequence[Any]], stage_blocks: Sequence[range]) -> None:
+    """Every replica's losses are ``losses`` and every stage's blocks hold ``expected`` (the one-device state dict),
+    bit for bit; ``found`` and ``grid`` as :func:`train_grid` returns and takes them."""
+    for r in range(len(grid[0])):
+        assert all(torch.equal(a, b) for a, b in zip(losses, found[r], strict=True)), f"replica {r}'s losses"
+        for s, blocks in enumerate(stage_blocks):
+            state = grid[s][r].supernet.state_dict()
+            differ = [k for k in state if int(k.split(".")[1]) in blocks and not torch.equal(state[k], expected[k])]
+            assert not differ, f"stage {s} replica {r}: {differ}"

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_naspipe as lnp
-from inprocess_grid import train_grid
+from inprocess_grid import assert_grid_equals, train_grid
 from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.searching import latency as latency_module
@@ -172,12 +172,7 @@ def test_it_trains_bitwise_on_stages_and_replicas(replicas: int, chunks: int) ->
     expected = reference.supernet.state_dict()
     assert not torch.equal(expected["blocks.0.patches.proj.weight"], autoformer().state_dict()[
         "blocks.0.patches.proj.weight"]), "it trained"
-    for r in range(replicas):
-        assert all(torch.equal(a, b) for a, b in zip(losses, found[r], strict=True)), f"replica {r}'s losses"  # type: ignore[arg-type]
-        for s, blocks in enumerate(stage_blocks):
-            state = grid[s][r].supernet.state_dict()
-            differ = [k for k in state if int(k.split(".")[1]) in blocks and not torch.equal(state[k], expected[k])]
-            assert not differ, f"stage {s} replica {r}: {differ}"
+    assert_grid_equals(losses, expected, found, grid, stage_blocks)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("make, match", [

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lightning_naspipe as lnp
-from inprocess_grid import train_grid
+from inprocess_grid import assert_grid_equals, train_grid
 from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from test_engine import FakeModule
@@ -63,12 +63,7 @@ def _assert_one_device(make: Callable[[], lnp.Supernet], stage_blocks: list[rang
     grid = [[_Module(make(), subnets, teacher, logits) for _ in range(replicas)] for _ in stage_blocks]
     found = train_grid(grid, stage_blocks, batches, window, chunks, **engine_kwargs)
     expected = reference.supernet.state_dict()
-    for r in range(replicas):
-        assert all(torch.equal(a, b) for a, b in zip(losses, found[r], strict=True)), f"replica {r}'s losses"  # type: ignore[arg-type]
-        for s, blocks in enumerate(stage_blocks):
-            state = grid[s][r].supernet.state_dict()
-            differ = [k for k in state if int(k.split(".")[1]) in blocks and not torch.equal(state[k], expected[k])]
-            assert not differ, f"stage {s} replica {r}: {differ}"
+    assert_grid_equals(losses, expected, found, grid, stage_blocks)  # type: ignore[arg-type]
 
 
 def _two_blocks_read_one_weight() -> lnp.Supernet:
