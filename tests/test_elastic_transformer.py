@@ -134,7 +134,7 @@ def test_the_layers_read_the_leading_slices_of_their_weights() -> None:
 
 def test_a_latency_table_keys_and_predicts_the_embedding_width(monkeypatch: pytest.MonkeyPatch) -> None:
     def by_parameters(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = 2,
-                      device: torch.device | None = None) -> float:
+                      device: torch.device | None = None, **timing: Any) -> float:
         module(example_input)  # the input must fit the module
         return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
 
