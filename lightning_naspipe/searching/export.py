@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from lightning_naspipe.compat.torch import pytree
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.searching.latency import batch_size_of, device_name, time_module
+from lightning_naspipe.searching.latency import batch_size_of, device_name
+from lightning_naspipe.searching.timing import time_module
 
 ARCHITECTURE_FILE = "architecture.json"
 WEIGHTS_FILE = "weights.pt"

@@ -43,7 +43,7 @@ from lightning_naspipe.space.boundary import tensors_in
 from lightning_naspipe.searching.timing import WARMUP, Clock, time_module, warn_if_noisy
 
 __all__ = ["INACCURATE_PCT", "LatencyReport", "LatencyTable", "batch_size_of", "device_name", "inner_labels",
-           "measure_latency", "time_module"]
+           "measure_latency"]
 
 #: A mean absolute prediction error (percent) above which :meth:`LatencyTable.error` warns.
 INACCURATE_PCT = 20.0
