@@ -14,6 +14,7 @@ import lightning_naspipe as lnp
 from helpers import FEATURES, ToyNet
 from lightning_naspipe.space.cells import Cell
 from lightning_naspipe.space.choice import active_architecture
+from lightning_naspipe.space.freezing import freeze_block
 from test_cells import C, darts_op, nb201_op
 
 torch.set_num_threads(1)
@@ -150,6 +151,21 @@ def test_tied_weights_stay_tied_and_reinitialize_resets_them_once() -> None:
     torch.manual_seed(5)
     again = supernet.freeze(arch, reinitialize=True)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), again.state_dict().values()))
+
+
+def test_a_module_that_runs_in_one_place_and_is_unchosen_in_another_stays_whole() -> None:
+    """Block 0 is also block 1's first candidate; with the second chosen, block 0 still runs (it froze to Inactive,
+    counting 0 parameters, before)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    supernet = lnp.Supernet(shared, lnp.ChoiceBlock([shared, nn.Linear(4, 4)]))
+    x = torch.randn(3, 4)
+    for choice in (0, 1):
+        architecture = {label: choice for label in supernet.labels}
+        frozen, block = supernet.freeze(architecture), freeze_block(supernet, 0, architecture)
+        assert isinstance(frozen[0], nn.Linear) and isinstance(block, nn.Linear)
+        assert torch.equal(frozen[0].weight, shared.weight) and torch.equal(block.weight, shared.weight)
+        assert torch.equal(frozen(x), supernet(x, architecture))
 
 
 def test_freeze_refuses_a_bad_architecture_and_a_stage_local_supernet() -> None:

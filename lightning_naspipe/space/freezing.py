@@ -44,12 +44,8 @@ def freeze(supernet: Supernet, architecture: Mapping[str, int], reinitialize: bo
             f"{supernet.local_blocks.stop - 1} only (inside fit); freeze after fit, when every stage holds all "
             "weights."
         )
-    unchosen: list[nn.Module] = []
-    for block in supernet.blocks:
-        _collect_unchosen(block, architecture, unchosen)
     # deepcopy's memo maps an object's id to its copy: the unchosen parts are never copied.
-    memo: dict[int, Any] = {id(module): Inactive() for module in unchosen}
-    blocks = copy.deepcopy(supernet.blocks, memo)
+    blocks = copy.deepcopy(supernet.blocks, _unchosen_memo(list(supernet.blocks), architecture))
     done: dict[int, nn.Module] = {}
     frozen = nn.Sequential(*[_resolve(block, architecture, done) for block in blocks])
     setattr(frozen, "architecture", architecture)  # a plain attribute, read by save_subnet
@@ -65,14 +61,36 @@ def freeze_block(supernet: Supernet, index: int, architecture: Mapping[str, int]
     """Block ``index`` of ``supernet.freeze(architecture)``, without copying the other blocks: what counting one
     block's parameters and FLOPs needs (on any process: shapes alone decide them)."""
     architecture = supernet.validate(architecture)
-    unchosen: list[nn.Module] = []
-    _collect_unchosen(supernet.blocks[index], architecture, unchosen)
-    memo: dict[int, Any] = {id(module): Inactive() for module in unchosen}
+    memo = _unchosen_memo(list(supernet.blocks), architecture)
     return _resolve(copy.deepcopy(supernet.blocks[index], memo), architecture, {})
 
 
 def _is_active(when: When, architecture: Mapping[str, int]) -> bool:
     return architecture[when.label] in when.values
+
+
+def _unchosen_memo(blocks: list[nn.Module], architecture: Mapping[str, int]) -> dict[int, Any]:
+    """A deepcopy memo that stands an :class:`Inactive` in for every module the architecture does not run. A module
+    that is unchosen in one place but runs in another (a whole block that is also another choice's candidate) runs."""
+    unchosen: list[nn.Module] = []
+    active: set[int] = set()
+    for block in blocks:
+        _collect_unchosen(block, architecture, unchosen)
+        _collect_active(block, architecture, active)
+    return {id(module): Inactive() for module in unchosen if id(module) not in active}
+
+
+def _collect_active(module: nn.Module, architecture: Mapping[str, int], out: set[int]) -> None:
+    out.add(id(module))
+    if isinstance(module, ChoiceBlock):
+        assert module.label is not None, "labels are set by the Supernet"
+        children: list[nn.Module] = [module.candidates[architecture[module.label]]]
+    elif isinstance(module, When):
+        children = [module.body] if _is_active(module, architecture) else []
+    else:
+        children = list(module.children())
+    for child in children:
+        _collect_active(child, architecture, out)
 
 
 def _collect_unchosen(module: nn.Module, architecture: Mapping[str, int], out: list[nn.Module]) -> None:
