@@ -239,7 +239,8 @@ class Engine:
         window, resources = plan.window, [r[self.stage] for r in plan.resources]
         self.changed.update(*resources)
         eligible = self.chunks == 1 and serialised(plan.resources, plan.size, self.stage)
-        stage_run = self._stage_run(module, plan, resources, eligible)
+        actions = plan.actions(self.stage)
+        stage_run = self._stage_run(module, plan, actions, resources, eligible)
         residency = stage_run.residency
 
         def update(k: int) -> None:
@@ -254,7 +255,7 @@ class Engine:
             self.transport.begin_window(plan.run_schedule(), window.first_index)
         executor = self._executor(module)
         start, waited = time.perf_counter(), self._wait_s()
-        executor.run(plan.actions(self.stage), window, update, stage_run)
+        executor.run(actions, window, update, stage_run)
         self.busy_s += time.perf_counter() - start - (self._wait_s() - waited)
         if eligible:
             self.deferral.record(stage_run.defer_weight_grads, executor.seconds_to_send)
@@ -266,8 +267,8 @@ class Engine:
             self.telemetry.end_window()
         return own
 
-    def _stage_run(self, module: EngineModule, plan: WindowPlan, resources: Sequence[frozenset[Resource]],
-                   eligible: bool) -> StageRun:
+    def _stage_run(self, module: EngineModule, plan: WindowPlan, actions: Sequence[Action],
+                   resources: Sequence[frozenset[Resource]], eligible: bool) -> StageRun:
         """This window's optional collaborators on this stage."""
         defer = self.deferral.pick(self.blocks, self.stage == 0, eligible)
         self.windows_deferred += defer
@@ -279,7 +280,7 @@ class Engine:
                                    for k in range(len(plan.window.architectures))})
         residency = None
         if self.offloader is not None:
-            order = [a.subnet for a in plan.actions(self.stage) if a.kind == FORWARD and a.chunk == 0]
+            order = [a.subnet for a in actions if a.kind == FORWARD and a.chunk == 0]
             residency = WindowResidency(self.offloader, order, resources)
         return StageRun(chunk_offset=self.chunk_share.start,
                         ties=ties.routes(self.stage, plan.resources) if ties is not None else None,
