@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--force-layout", type=int, default=None,
                         help="with --num-stages auto: the stages the choice returns (instead of the planner's)")
     parser.add_argument("--max-epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="the training loader's")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--out", required=True)
@@ -155,7 +156,7 @@ def main() -> None:
         previous = torch.load(args.resume + ".losses", weights_only=False)
         model.losses.update(previous)
     val = toy_loader(samples=40, shuffle=False) if args.log_dir else None
-    trainer.fit(model, toy_loader(), val, ckpt_path=args.resume)
+    trainer.fit(model, toy_loader(batch_size=args.batch_size), val, ckpt_path=args.resume)
     trainer.save_checkpoint(args.out)
     torch.save(model.state_dict(), f"{args.out}.rank{trainer.global_rank}")
     torch.save(trainer.strategy.stage_ranges, f"{args.out}.ranges{trainer.global_rank}")

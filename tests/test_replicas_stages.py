@@ -17,7 +17,7 @@ import torch
 import yaml
 
 import lightning_naspipe as lnp
-from helpers import ToyNet, assert_same_state
+from helpers import ToyNet, assert_same_state, toy_loader
 from test_pipeline import SCRIPT, _env, _launch, _plain_state, _state
 
 pytestmark = pytest.mark.slow
@@ -77,6 +77,29 @@ def test_resume_from_two_by_two_onto_other_layouts(tmp_path: Path, plain_chunks4
         resumed = _launch(tmp_path, "--devices", str(devices), "--num-stages", str(stages), "--window", "8",
                           "--chunks", "4", "--resume", str(stop), name=f"resumed{devices}")
         assert_same_state(plain_chunks4, _state(resumed))
+
+
+def test_eight_processes_as_one_by_eight_and_two_by_four_and_a_resume_onto_one_by_two(tmp_path: Path) -> None:
+    """8 processes on this 2-core host: 1 stage x 8 replicas and 2 stages x 4 replicas (batches of 16 in 8
+    micro-batches of 2, so each of 8 replicas trains one) equal the plain Trainer with the same chunks, and the
+    2 x 4 run's step-5 checkpoint (mid-window, mid-epoch) resumes onto 1 stage x 2 replicas, bitwise."""
+    plain = _plain_state(tmp_path, strategy=lnp.NASPipeStrategy(window=8, chunks=8), loader=toy_loader(batch_size=16),
+                         max_epochs=2)
+    common = ("--devices", "8", "--window", "4", "--chunks", "8", "--batch-size", "16", "--timeout", "600")
+    for name, stages, ranks in (("one-by-eight", 1, ["0, 1, 2, 3, 4, 5, 6, 7"]),
+                                ("two-by-four", 2, ["0, 1, 2, 3", "4, 5, 6, 7"])):
+        stderr = _launch(tmp_path, *common, "--num-stages", str(stages), "--every-n-steps", "5", name=name,
+                         timeout=600, keep_stderr=True)
+        table = stderr[stderr.index("NASPipe stages:"):].splitlines()[2:2 + stages]
+        assert [line.split("|")[1].strip() for line in table] == ranks, table
+        assert_same_state(plain, _state(tmp_path / f"{name}.ckpt"))
+    deep = tmp_path / "two-by-four.ckpt"
+    stop = tmp_path / "two-by-four.ckpt.steps" / "step=5.ckpt"
+    # The resumed run records the losses of steps 5 on; those before the stop come from the 2 x 4 run.
+    torch.save({k: v for k, v in _state(deep)["losses"].items() if k < 5}, f"{stop}.losses")
+    resumed = _launch(tmp_path, "--devices", "2", "--num-stages", "1", "--window", "4", "--chunks", "8",
+                      "--batch-size", "16", "--resume", str(stop), name="resumed")
+    assert_same_state(plain, _state(resumed))
 
 
 @pytest.mark.parametrize("signum", [0, 9], ids=["raised", "killed"])
