@@ -143,3 +143,47 @@ def test_profile_shares_join_into_the_profile_and_one_share_times_the_engine() -
     # Without the deferred passes: None, which the planner models as a stage that never defers.
     assert profile.spec_of(net, [profile.profile_share(net, x, deferred=False, engine_overhead=False)]
                            ).blocks[1].candidates[0].deferred_ms is None
+
+
+class _SlowInTraining(_Tick):
+    """Costs ``ms`` timed alone but twice that once the engine trains: as blocks whose weights fall out of cache."""
+
+    training_ms: float | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CLOCK[0] += (self.ms if _SlowInTraining.training_ms is None else _SlowInTraining.training_ms * self.ms) / 1000
+        return x * self.weight
+
+
+def test_the_shares_engine_runs_scale_the_joined_profile_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each share also trains subnets of its own with the one-stage engine; the joined profile's compute is scaled so
+    that it predicts those runs: here blocks cost twice as much in the engine as timed alone."""
+    from lightning_naspipe.planning.planner import simulate
+    from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
+
+    net = lnp.Supernet(lnp.ChoiceBlock([_SlowInTraining(1), _SlowInTraining(3)]),
+                       lnp.ChoiceBlock([_SlowInTraining(2), _SlowInTraining(6)]))
+    x = torch.randn(3, 2)
+    real_run = profile.engine_run
+
+    def slow_run(*args: object, **kwargs: object) -> profile.EngineRun:
+        monkeypatch.setattr(_SlowInTraining, "training_ms", 2.0)
+        try:
+            return real_run(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            monkeypatch.setattr(_SlowInTraining, "training_ms", None)
+
+    monkeypatch.setattr(profile, "engine_run", slow_run)
+    alone = profile.spec_of(net, [profile.profile_share(net, x, clock=lambda: _CLOCK[0], share=(i, 2),
+                                                        engine_overhead=False, deferred=False) for i in range(2)])
+    shares = [profile.profile_share(net, x, clock=lambda: _CLOCK[0], share=(i, 2), engine_overhead=False,
+                                    deferred=False, engine_seconds=1e-9) for i in range(2)]
+    runs = [s.engine for s in shares]
+    assert [(r.first, r.count) for r in runs if r is not None] == [(0, 4), (10**4, 4)]  # subnets of their own
+    scaled = profile.spec_of(net, shares, action_overhead_ms=0.0)
+    assert [c.forward_ms for b in scaled.blocks for c in b.candidates] == pytest.approx(
+        [2 * c.forward_ms for b in alone.blocks for c in b.candidates], rel=0.02)
+    predicted = sum(simulate(scaled, 1, r.window, architectures=[uniform_architecture(net.labels, 0, i)
+                                                                for i in range(r.first, r.first + r.count)]
+                             ).makespan_ms for r in runs if r is not None)
+    assert predicted == pytest.approx(sum(r.ms for r in runs if r is not None), rel=0.02)

@@ -34,7 +34,7 @@ from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.choice import ChoiceBlock, candidates_of
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 
-__all__ = ["ProfileShare", "profile_share", "profile_supernet", "spec_of"]
+__all__ = ["EngineRun", "ProfileShare", "engine_run", "profile_share", "profile_supernet", "scale_to_engine", "spec_of"]
 
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
 
@@ -76,7 +76,8 @@ def profile_supernet(supernet: Supernet, sample_input: BlockValue, repeats: int 
                               engine_overhead="action_overhead_ms" not in overheads)
         spec = spec_of(supernet, [share], **overheads)
         if engine_seconds > 0:
-            _scale_to_engine(spec, copy.deepcopy(supernet), sample_input, optimizer, clock, engine_seconds)
+            run = engine_run(copy.deepcopy(supernet), sample_input, optimizer, clock, engine_seconds)
+            scale_to_engine(spec, supernet.labels, [run])
         return spec
 
 
@@ -87,15 +88,17 @@ class ProfileShare:
 
     times: PathTimes
     action_overhead_ms: float | None = None
+    engine: EngineRun | None = None
 
 
 def profile_share(supernet: Supernet, sample_input: BlockValue, repeats: int = 1,
                   optimizer: OptimizerFactory = _default_optimizer, clock: Callable[[], float] = time.perf_counter,
                   deferred: bool = True, share: tuple[int, int] = (0, 1), engine_overhead: bool = True,
-                  device: torch.device | None = None) -> ProfileShare:
-    """This process's share of :func:`profile_supernet`'s timings (without its ``engine_seconds`` scaling):
-    the paths :func:`~.block_cost.time_paths` deals to ``share=(index, count)``, and with ``engine_overhead`` the
-    engine's per-action overhead, so that ``count`` processes profile a space at once, each a share, and
+                  device: torch.device | None = None, engine_seconds: float = 0.0) -> ProfileShare:
+    """This process's share of :func:`profile_supernet`'s timings: the paths :func:`~.block_cost.time_paths` deals
+    to ``share=(index, count)``, with ``engine_overhead`` the engine's per-action overhead, and with
+    ``engine_seconds`` > 0 a short :func:`engine_run` of subnets of this share's own (at least 4), which
+    :func:`spec_of` scales the joined compute to; so ``count`` processes profile a space at once, each a share, and
     :func:`spec_of` joins their parts (the same :class:`SpaceSpec` wherever the same parts are joined in the same
     order). Times a copy of ``supernet`` on ``device`` (default: where it is) inside a forked RNG.
 
@@ -108,17 +111,24 @@ def profile_share(supernet: Supernet, sample_input: BlockValue, repeats: int = 1
             net, sample_input = net.to(device), map_tensors(lambda t: t.to(device), sample_input)
         times = time_paths([candidates_of(b) for b in net.blocks], sample_input, repeats, clock,
                            optimizer(list(net.parameters())), deferred=deferred, share=share)
-        return ProfileShare(times, _engine_overhead(supernet, clock) if engine_overhead else None)
+        run = (engine_run(net, sample_input, optimizer, clock, engine_seconds, first=share[0] * 10**4, min_subnets=4,
+                          window=4, warmup=2) if engine_seconds > 0 else None)
+        return ProfileShare(times, _engine_overhead(supernet, clock) if engine_overhead else None, run)
 
 
 def spec_of(supernet: Supernet, shares: Sequence[ProfileShare], **overheads: Any) -> SpaceSpec:
-    """The :class:`SpaceSpec` of ``supernet`` from every share of its profile (:func:`profile_share`), in order;
-    ``overheads`` as :func:`profile_supernet`'s (a measured ``action_overhead_ms`` is the default)."""
+    """The :class:`SpaceSpec` of ``supernet`` from every share of its profile (:func:`profile_share`), in order, its
+    compute scaled to the shares' engine runs where they made any; ``overheads`` as :func:`profile_supernet`'s (a
+    measured ``action_overhead_ms`` is the default)."""
     measured = [s.action_overhead_ms for s in shares if s.action_overhead_ms is not None]
     if measured and "action_overhead_ms" not in overheads:
         overheads["action_overhead_ms"] = measured[0]
     blocks, update_ms = _blocks_of(supernet, PathTimes.merged([s.times for s in shares]))
-    return SpaceSpec(blocks, update_ms=update_ms, **overheads)
+    spec = SpaceSpec(blocks, update_ms=update_ms, **overheads)
+    runs = [s.engine for s in shares if s.engine is not None]
+    if runs:
+        scale_to_engine(spec, supernet.labels, runs)
+    return spec
 
 
 def _blocks_of(net: Supernet, times: PathTimes) -> tuple[list[BlockSpec], float]:
@@ -201,26 +211,48 @@ class _SupernetModule(_NullModule):
         return sum((t.float().sum() for t in tensors_in(output) if t.is_floating_point()), torch.zeros(()))
 
 
-def _scale_to_engine(spec: SpaceSpec, net: Supernet, x: Any, optimizer: OptimizerFactory,
-                     clock: Callable[[], float], seconds: float, window: int = 8) -> None:
-    """Scale ``spec``'s compute costs (in place) by the one-stage engine's time over the profile's for the
-    same sampled subnets: the engine's per-action overhead and the run's costs stay as measured."""
+@dataclass(frozen=True)
+class EngineRun:
+    """The one-stage engine training subnets ``first .. first + count - 1`` (``uniform_architecture(labels, 0, i)``)
+    on one sample input, ``window`` at a time, in ``ms`` (:func:`engine_run`): what :func:`spec_of` scales a
+    profile's compute to."""
+
+    first: int
+    count: int
+    window: int
+    ms: float
+
+
+def engine_run(net: Supernet, x: Any, optimizer: OptimizerFactory, clock: Callable[[], float], seconds: float,
+               first: int = 0, min_subnets: int = 16, window: int = 8, warmup: int = 4) -> EngineRun:
+    """Train sampled subnets of ``net`` (changed: pass a copy) with the one-stage engine for about ``seconds`` (at
+    least ``min_subnets``, whole windows) after ``warmup`` subnets of their own, and time them."""
+    module, engine = _SupernetModule(net, optimizer), Engine([range(len(net))])
+    engine.train_window(module, [x] * warmup, first + 10**6)
+    index, start = first, clock()
+    while index - first < min_subnets or clock() - start < seconds:
+        engine.train_window(module, [x] * window, index)
+        index += window
+    return EngineRun(first, index - first, window, 1000 * (clock() - start))
+
+
+def scale_to_engine(spec: SpaceSpec, labels: dict[str, int], runs: Sequence[EngineRun]) -> None:
+    """Scale ``spec``'s compute costs (in place) by the engine's time over the profile's for the same subnets, summed
+    over ``runs``: timed one at a time, blocks run faster than in training, which cycles through every candidate's
+    weights; the engine's per-action overhead and the run's costs stay as measured."""
     from lightning_naspipe.planning.planner import simulate  # the planner imports this module's package
 
-    module, engine = _SupernetModule(net, optimizer), Engine([range(len(net))])
-    engine.train_window(module, [x] * 4, 10**6)  # warm-up, on subnets of their own
-    first, start = 0, clock()
-    while first < 16 or clock() - start < seconds:
-        engine.train_window(module, [x] * window, first)
-        first += window
-    measured_ms = 1000 * (clock() - start)
     bare = dataclasses.replace(spec, step_overhead_ms=0.0, subnet_overhead_ms=0.0)
     no_compute = dataclasses.replace(bare, update_ms=0.0, blocks=[
         BlockSpec(b.label, [dataclasses.replace(c, forward_ms=0.0, backward_ms=0.0, input_backward_ms=None,
                                                 weight_backward_ms=None) for c in b.candidates])
         for b in spec.blocks])
-    fixed_ms = simulate(no_compute, 1, window, subnets=first).makespan_ms
-    compute_ms = simulate(bare, 1, window, subnets=first).makespan_ms - fixed_ms
-    scale = (measured_ms - fixed_ms) / compute_ms if compute_ms > 0 and measured_ms > fixed_ms else 1.0
+    measured = fixed = compute = 0.0
+    for run in runs:
+        architectures = [uniform_architecture(labels, 0, i) for i in range(run.first, run.first + run.count)]
+        run_fixed = simulate(no_compute, 1, run.window, architectures=architectures).makespan_ms
+        compute += simulate(bare, 1, run.window, architectures=architectures).makespan_ms - run_fixed
+        measured, fixed = measured + run.ms, fixed + run_fixed
+    scale = (measured - fixed) / compute if compute > 0 and measured > fixed else 1.0
     spec.blocks = spec.compute_scaled(lambda ms: ms * scale).blocks
     spec.update_ms *= scale
