@@ -132,8 +132,12 @@ def test_the_training_sampler_draws_only_within_the_same_constraints() -> None:
         lnp.Constrained(constraints=lnp.Constraints(max_flops=100))
     with pytest.raises(lnp.NASPipeConfigError, match="no architecture can meet it"):
         lnp.Constrained(constraints=lnp.Constraints(max_latency_ms=1.0, latency=TABLE))(model.supernet, 0, 0)
-    with pytest.raises(lnp.NASPipeConfigError, match=r"within the range \(params >= 5000, predicted latency"):
-        lnp.Constrained(constraints=lnp.Constraints(min_params=5000, max_latency_ms=5.0, latency=TABLE),
+    largest = max(_params(model, a) for a in EVERY)  # only a2b1, predicted 12.0 ms
+    with pytest.raises(lnp.NASPipeConfigError, match=f"min_params={largest + 1:,}.*the largest has {largest:,}"):
+        lnp.Constrained(constraints=lnp.Constraints(min_params=largest + 1))(model.supernet, 0, 0)  # up front
+    # Each range alone is met, both at once are not: only the draws can tell.
+    with pytest.raises(lnp.NASPipeConfigError, match=rf"within the range \(params >= {largest}, predicted latency"):
+        lnp.Constrained(constraints=lnp.Constraints(min_params=largest, max_latency_ms=5.0, latency=TABLE),
                         max_attempts=20)(model.supernet, 0, 0)
 
 

@@ -71,6 +71,21 @@ def test_constrained_keeps_only_architectures_in_range_and_names_an_empty_one() 
         lnp.Constrained(min_params=10, max_params=5)
 
 
+def test_constrained_refuses_a_range_of_its_constraints_the_space_cannot_meet_before_judging_any_draw(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    supernet = _space()
+    smallest = min(subnet_parameters(supernet, {a: i, b: j}) for i in range(3) for j in range(3)
+                   for a, b in [tuple(supernet.labels)])
+    judged: list[object] = []
+    sampler = lnp.Constrained(constraints=lnp.Constraints(max_params=smallest - 1))
+    real_params = sampler.params
+    monkeypatch.setattr(sampler, "params", lambda *a: judged.append(a) or real_params(*a))
+    with pytest.raises(lnp.NASPipeConfigError, match=f"max_params={smallest - 1:,}.*the smallest has {smallest:,}"):
+        sampler(supernet, 1, 0)
+    assert judged == []  # counted from the space, not from draws
+    assert lnp.Constrained(constraints=lnp.Constraints(max_params=smallest))(supernet, 1, 0)  # the bound itself fits
+
+
 class _Distilling:
     """The engine's view of a module training the sandwich rule with in-place distillation."""
 

@@ -179,6 +179,13 @@ class Constraints:
                 f"Constraints(min_latency_ms={self.min_latency_ms}): no architecture can meet it: the slowest "
                 f"predicted is {table.slowest_ms():.3f} ms {where}. Lower the minimum.")
 
+    def check_sizes(self, supernet: Supernet) -> None:
+        """Refuse a parameter or FLOP range (FLOPs on ``example_input``) no architecture of ``supernet`` can meet,
+        counted from the space before anything is drawn (:func:`~.bounds.refuse_impossible`)."""
+        from lightning_naspipe.searching.bounds import refuse_impossible  # bounds counts what these ranges ask
+
+        refuse_impossible(self, supernet, self.example_input)
+
     def describe(self) -> str:
         """The ranges in words, e.g. ``"params in [1000, 5000], predicted latency <= 3.0 ms"``."""
         parts = []

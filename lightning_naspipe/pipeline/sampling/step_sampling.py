@@ -117,6 +117,10 @@ class ArchitectureRange(Protocol):
         """Refuse a range ``supernet`` cannot meet, or one measured on another supernet."""
         ...
 
+    def check_sizes(self, supernet: Supernet) -> None:
+        """Refuse a parameter or FLOP range no architecture of ``supernet`` can meet, counted from the space."""
+        ...
+
     def admits(self, supernet: Supernet, architecture: Architecture) -> bool:
         """Whether ``architecture`` lies in the range."""
         ...
@@ -168,17 +172,18 @@ class Constrained:
 
     def accepts(self, supernet: Supernet, architecture: Architecture) -> bool:
         """Whether ``architecture`` is within the range, admitted by ``constraints`` and passes ``constraint``."""
+        if self.constraints is not None and id(supernet) not in self._checked:
+            # A range the space or the table cannot meet: refused before the first draw is judged.
+            self.constraints.check(supernet)
+            self.constraints.check_sizes(supernet)
+            self._checked.add(id(supernet))
         if self.min_params is not None or self.max_params is not None:
             params = self.params(supernet, architecture)
             if (self.min_params is not None and params < self.min_params) or (
                     self.max_params is not None and params > self.max_params):
                 return False
-        if self.constraints is not None:
-            if id(supernet) not in self._checked:  # a range the table says is impossible: refused before drawing
-                self.constraints.check(supernet)
-                self._checked.add(id(supernet))
-            if not self.constraints.admits(supernet, architecture):
-                return False
+        if self.constraints is not None and not self.constraints.admits(supernet, architecture):
+            return False
         return self.constraint is None or bool(self.constraint(architecture))
 
     def __call__(self, supernet: Supernet, seed: int, step: int) -> list[Architecture]:
