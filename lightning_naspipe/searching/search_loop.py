@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.bounds import refuse_impossible
 from lightning_naspipe.searching.constraints import Constraints
-from lightning_naspipe.searching.latency import LatencyTable
+from lightning_naspipe.searching.latency import LatencyTable, device_name
 from lightning_naspipe.searching.scoring import LatencySource, Scorer as _Scorer
 from lightning_naspipe.searching.search_log import append_log, fingerprint, read_log
 from lightning_naspipe.searching.search_plot import default_x, pareto_front, plot_search
@@ -286,8 +286,8 @@ def _check_best(history: list[Record], limits: Constraints, latency_of: LatencyS
     ``over_budget`` and a warning (on the first process). The same on every process: the first one measures."""
     table, budget, allowed = limits.table, limits.max_latency_ms, limits.budget_ms
     assert table is not None and budget is not None and allowed is not None
-    where = (f"on {table.device} at batch size {table.batch_size}, with the {100 * limits.check_margin:g}% margin: "
-             f"at most {allowed:.4f} ms")
+    where = (f"on {device_name(latency_of.supernet)} at batch size {table.batch_size}, with the "
+             f"{100 * limits.check_margin:g}% margin: at most {allowed:.4f} ms")
     checked: dict[int, Record] = {}
     subnets: set[Key] = set()
     fits = False
