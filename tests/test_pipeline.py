@@ -364,13 +364,27 @@ def test_slurm_requeue_signal_saves_at_a_window_boundary_and_training_goes_on(tm
 
 def test_a_measured_latency_search_on_stages_agrees_on_every_process(tmp_path: Path) -> None:
     """Rank 0 times each architecture and every stage process takes its number: the same records everywhere, each
-    with its measured latency, and every measurement in the log."""
+    with its measured latency, and every measurement in the log; so does a budgeted search's check of its best."""
     out = _launch(tmp_path, "--devices", "2", "--window", "8", "--search", "--search-measured")
     histories = [torch.load(f"{out}.search{rank}", weights_only=False) for rank in range(2)]
     assert histories[0] == histories[1] and histories[0]
     assert all(r.latency_kind == "measured" and r.latency_ms is not None and r.latency_ms > 0 for r in histories[0])
     logged = Path(f"{out}.search.jsonl").read_text()
     assert all(repr(r.latency_ms) in logged for r in histories[0])
+    # The checked winner (a table, a budget, the best-scored measuring over): the same check and best on every
+    # process, and as one process decides on the same weights.
+    from pipeline_run import checked_search
+
+    checked = [torch.load(f"{out}.checked{rank}", weights_only=False) for rank in range(2)]
+    assert checked[0] == checked[1]
+    records, best = checked[0]
+    ranked = sorted(records, key=lambda checked_record: checked_record[0].score)
+    assert [(ms, over) for _, ms, over in ranked[:2]] == [(9.0, True), (0.5, False)]
+    assert best == ranked[1][0].architecture and all(ms is None for _, ms, _ in ranked[2:])
+    model = ToyNet()
+    model.load_state_dict(torch.load(f"{out}.rank0", weights_only=False))
+    with pytest.warns(UserWarning, match="measures 9.0000 ms end to end"):
+        assert checked_search(None, model) == checked[0]
 
 
 def test_search_after_a_pipelined_fit_equals_the_one_device_search(tmp_path: Path) -> None:

@@ -49,3 +49,20 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert result.pareto_front() == pareto_front(history, True)
     with pytest.raises(lnp.NASPipeConfigError, match="no records"):
         plot_search([], True, tmp_path / "x.png")
+
+
+def test_the_plot_never_stars_a_record_measured_over_the_budget(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import matplotlib.axes
+
+    history = _records([(10, 0.5), (20, 0.7), (15, 0.4)])
+    history[1] = dataclasses.replace(history[1], measured_latency_ms=9.0, over_budget=True)  # the best score
+    labels: list[str | None] = []
+    scatter = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter",
+                        lambda self, *args, **kwargs: labels.append(kwargs.get("label")) or scatter(self, *args,
+                                                                                                    **kwargs))
+    lnp.SearchResult(history, maximize=True).plot(tmp_path / "p.png")
+    assert "best (#0)" in labels and "measured over the budget (1)" in labels and "best (#1)" not in labels

@@ -182,7 +182,8 @@ def _search(self: Any, model: Any, datamodule: Any = None, ckpt_path: Optional[s
             latency, ``latency`` (a saved table's path, or ``measured``) and a ``penalty``
             (``{"target_ms": ...}``).
         latency_table: a ``LatencyTable`` JSON file (``python -m lightning_naspipe latency`` writes one).
-        max_latency_ms: only subnets whose latency is at most this (needs a table or measured latency).
+        max_latency_ms: only subnets whose latency is at most this (needs a table or measured latency; with a
+            table the best is checked end to end before it is returned, see lnp.search).
     """
     if ckpt_path is None:
         raise NASPipeConfigError("search needs --ckpt_path: the checkpoint of the trained supernet (fit writes it).")
@@ -252,6 +253,7 @@ def _report(result: SearchResult, searcher: Any) -> None:
     initial = result.history[:getattr(searcher, "population", len(result.history))]
     print("\n".join(result.table().splitlines()[:11]))
     latency = "" if best.latency_ms is None else f", {best.latency_ms:.4f} ms ({best.latency_kind})"
+    latency += "" if best.measured_latency_ms is None else f", {best.measured_latency_ms:.4f} ms (measured)"
     penalized = "" if best.penalized_score is None else f" (penalized {best.penalized_score:.6g})"
     print(f"best of {len(result.history)}: score {best.score:.6g}{penalized}, {best.params} params, "
           f"{best.flops / 1e6:.3f} MFLOPs{latency}, architecture {best.architecture}; median of the first "

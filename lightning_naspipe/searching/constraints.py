@@ -28,6 +28,14 @@ __all__ = ["Constraints", "LatencyPenalty", "sizes_of"]
 #: ``Constraints(latency=MEASURED)``: each architecture's frozen subnet timed end to end.
 MEASURED = "measured"
 
+#: How many of its best architectures a search under a table and ``max_latency_ms`` times end to end, at most, before
+#: it returns one (``Constraints.check_top``).
+CHECK_TOP = 5
+
+#: How far over ``max_latency_ms`` a checked architecture may measure and still be returned: 5% (timing noise; a
+#: table's error is typically larger, which is what the check catches) (``Constraints.check_margin``).
+CHECK_MARGIN = 0.05
+
 
 @dataclass(frozen=True)
 class LatencyPenalty:
@@ -87,10 +95,15 @@ class Constraints:
         repeats: with ``latency="measured"``, timed runs per architecture.
         example_input: what the first block receives, to count FLOPs during training (the search counts them on
             its first batch instead).
+        check_top: with a table and ``max_latency_ms``, the search times its best architectures end to end, in
+            ranking order, until one measures within the budget, at most this many (0: no check; see
+            :func:`lightning_naspipe.search`).
+        check_margin: a checked architecture is within the budget when it measures at most
+            ``max_latency_ms * (1 + check_margin)`` (timing noise).
 
     Raises:
         NASPipeConfigError: a range with its minimum above its maximum, a latency bound or a penalty without a
-            latency source, or an unknown ``latency`` string.
+            latency source, an unknown ``latency`` string, or a negative ``check_top`` or ``check_margin``.
     """
 
     min_params: Optional[int] = None
@@ -103,6 +116,8 @@ class Constraints:
     penalty: Optional[LatencyPenalty] = None
     repeats: int = 10
     example_input: Any = None
+    check_top: int = CHECK_TOP
+    check_margin: float = CHECK_MARGIN
     #: Training-time sizes per (supernet, canonical architecture): (params, FLOPs or None).
     _sizes: dict[Any, tuple[int, Optional[int]]] = field(default_factory=dict, init=False, repr=False,
                                                          compare=False)
@@ -125,6 +140,12 @@ class Constraints:
                                      "'measured'): the penalty is a function of each architecture's latency.")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise NASPipeConfigError(f"Constraints(repeats={self.repeats!r}): give an int >= 1.")
+        if isinstance(self.check_top, bool) or not isinstance(self.check_top, int) or self.check_top < 0:
+            raise NASPipeConfigError(f"Constraints(check_top={self.check_top!r}): give an int >= 0 (0: no check).")
+        if (isinstance(self.check_margin, bool) or not isinstance(self.check_margin, (int, float))
+                or not 0 <= self.check_margin < float("inf")):
+            raise NASPipeConfigError(f"Constraints(check_margin={self.check_margin!r}): give a fraction >= 0, e.g. "
+                                     "0.05 for 5%.")
 
     @property
     def measured(self) -> bool:
@@ -145,6 +166,17 @@ class Constraints:
     def bounds_latency(self) -> bool:
         """Whether a latency bound is set."""
         return self.min_latency_ms is not None or self.max_latency_ms is not None
+
+    @property
+    def checks_winner(self) -> bool:
+        """Whether a search checks its best architectures end to end: latency predicted by a table, a maximum set,
+        and ``check_top > 0``."""
+        return self.table is not None and self.max_latency_ms is not None and self.check_top > 0
+
+    @property
+    def budget_ms(self) -> float | None:
+        """What a checked architecture may measure at most: ``max_latency_ms * (1 + check_margin)``, or ``None``."""
+        return None if self.max_latency_ms is None else self.max_latency_ms * (1 + self.check_margin)
 
     @property
     def bounds_size(self) -> bool:
@@ -203,7 +235,8 @@ class Constraints:
 
     def settings(self) -> dict[str, Any]:
         """What a search's scores and choices depend on (for its log's fingerprint): every field but the example
-        input, the table by its entries (and its nested deltas, where it has any)."""
+        input and the winner check's (``check_top``, ``check_margin``: it decides on logged measurements, so a log
+        resumes under other ones), the table by its entries (and its nested deltas, where it has any)."""
         table = self.table
         return {"ranges": [self.min_params, self.max_params, self.min_flops, self.max_flops, self.min_latency_ms,
                            self.max_latency_ms],

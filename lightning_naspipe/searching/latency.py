@@ -39,11 +39,11 @@ from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Elastic, When
 from lightning_naspipe.space.supernet import BlockValue, Supernet
-from lightning_naspipe.space.boundary import tensors_in
+from lightning_naspipe.space.boundary import map_tensors, tensors_in
 from lightning_naspipe.searching.timing import WARMUP, Clock, time_module, warn_if_noisy
 
-__all__ = ["INACCURATE_PCT", "LatencyReport", "LatencyTable", "batch_size_of", "device_name", "inner_labels",
-           "measure_latency"]
+__all__ = ["INACCURATE_PCT", "LatencyReport", "LatencyTable", "at_batch_size", "batch_size_of", "device_name",
+           "inner_labels", "measure_latency"]
 
 #: A mean absolute prediction error (percent) above which :meth:`LatencyTable.error` warns.
 INACCURATE_PCT = 20.0
@@ -348,3 +348,20 @@ def batch_size_of(value: Any) -> int:
     """The first dimension of the first tensor in ``value`` (1 for a scalar or no tensor)."""
     first = tensors_in(value)
     return int(first[0].shape[0]) if first and first[0].dim() else 1
+
+
+def at_batch_size(value: Any, size: int) -> Any:
+    """``value`` with ``size`` samples: each tensor whose first dimension is ``value``'s batch size
+    (:func:`batch_size_of`) cut to its first ``size`` rows, or its rows repeated in order up to ``size``; other
+    tensors and values as they are. Timing at another batch size than a table's would not compare with its
+    predictions."""
+    given = batch_size_of(value)
+    if given == size or not tensors_in(value) or tensors_in(value)[0].dim() == 0:
+        return value
+
+    def resized(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != given:
+            return t
+        return t[:size] if given > size else t[torch.arange(size, device=t.device) % given]
+
+    return map_tensors(resized, value)

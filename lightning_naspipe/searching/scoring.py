@@ -95,6 +95,9 @@ class LatencySource:
     """Each architecture's latency in ms: predicted by the constraints' table, or measured once per canonical
     architecture (on the first process, shared with the others, logged as it is taken).
 
+    Under a table with a latency maximum, :meth:`measure` also times architectures end to end (the search's check of
+    its best), the same way, on the example input cut or repeated to the table's batch size.
+
     Args:
         constraints: the search's constraints (their ``latency``: a table or ``"measured"``).
         supernet: the supernet.
@@ -110,31 +113,44 @@ class LatencySource:
     def __init__(self, constraints: Constraints, supernet: Supernet, space: SearchSpace, example_input: Any,
                  log_path: str | os.PathLike[str] | None, log_key: str | None, world: int, rank: int,
                  device: torch.device) -> None:
+        table = constraints.table
+        if table is not None:  # a check's measurement compares with the table's predictions: at its batch size
+            example_input = latency_module.at_batch_size(example_input, table.batch_size)
         self.constraints, self.supernet, self.space, self.example_input = constraints, supernet, space, example_input
         self.log_path, self.log_key, self.world, self.rank, self.device = log_path, log_key, world, rank, device
         self.measured: dict[Key, float] = {}
-        if constraints.measured and log_path is not None:
+        #: Per measurement taken here (rank 0), its runs' relative spread: how busy the machine was.
+        self.spreads: list[float] = []
+        if (constraints.measured or constraints.checks_winner) and log_path is not None:
             for architecture, ms in read_measurements(log_path):
-                self.measured.setdefault(self._key(architecture), ms)
+                self.measured.setdefault(self.key(architecture), ms)
 
-    def _key(self, architecture: Architecture) -> Key:
+    def key(self, architecture: Architecture) -> Key:
+        """Equal for architectures that run one subnet (measured once)."""
         return architecture_key(self.space.canonical(architecture))
 
     def reuse(self, records: list[Record]) -> None:
         """Take the measured latency of logged records (a resumed search never measures them again)."""
         for record in records:
             if record.latency_kind == "measured" and record.latency_ms is not None:
-                self.measured.setdefault(self._key(record.architecture), record.latency_ms)
+                self.measured.setdefault(self.key(record.architecture), record.latency_ms)
 
     def __call__(self, architecture: Architecture) -> float:
         table = self.constraints.table
         if table is not None:
             return table.predict(architecture, self.supernet)
-        key = self._key(architecture)
+        return self.measure(architecture)
+
+    def measure(self, architecture: Architecture) -> float:
+        """``architecture``'s frozen subnet timed end to end, once per canonical architecture: on the first process,
+        its number sent to the others (a collective when several search), logged before anything is decided on it;
+        a measurement in the log is reused."""
+        key = self.key(architecture)
         if key not in self.measured:
             canonical = self.space.canonical(architecture)
             ms = (latency_module.measure_latency(self.supernet, canonical, self.example_input,
-                                                 self.constraints.repeats) if self.rank == 0 else None)
+                                                 self.constraints.repeats, spreads=self.spreads)
+                  if self.rank == 0 else None)
             if self.world > 1:  # every process decides on the first one's number
                 ms = broadcast_object(ms, 0, self.device)
             assert ms is not None

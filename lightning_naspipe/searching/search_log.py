@@ -7,9 +7,10 @@ ends with its newline and an fsync, so a killed search leaves whole records and 
 line, which the resumed search cuts off.
 
 A search under measured latency also logs every measurement it takes, as it takes it (``{"measured_latency_ms": ms,
-"architecture": {...}}`` lines, architectures rejected by a latency range included): a measurement is noisy, so a
-resumed search reads them back (:func:`read_measurements`) rather than measuring again, and decides as the
-interrupted one did.
+"architecture": {...}}`` lines, architectures rejected by a latency range included), and so does a search under a
+table and a latency budget for the best architectures it checks end to end before returning one: a measurement is
+noisy, so a resumed search reads them back (:func:`read_measurements`) rather than measuring again, and decides as
+the interrupted one did.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def read_log(path: str | os.PathLike[str], expected: str | None = None, repair: 
                     "searcher settings or constraints than this search's: its scores do not apply. Pass "
                     "another log_path (one per checkpoint and search), or delete the log.")
             continue
-        if isinstance(fields, dict) and MEASUREMENT in fields:
+        if _is_measurement(fields):
             continue  # read_measurements
         try:
             records.append(Record(**fields))
@@ -113,7 +114,7 @@ def append_log(path: str | os.PathLike[str], records: Sequence[Record], key: str
         if key is not None and out.tell() == 0:
             out.write(json.dumps({HEADER: 1, "fingerprint": key}) + "\n")
         for record in records:
-            out.write(json.dumps(asdict(record)) + "\n")  # repr-exact floats
+            out.write(json.dumps(_fields(record)) + "\n")  # repr-exact floats
         out.flush()
         os.fsync(out.fileno())
 
@@ -128,7 +129,7 @@ def read_measurements(path: str | os.PathLike[str]) -> list[tuple[dict[str, int]
     found = []
     for line in data[:data.rfind(b"\n") + 1].splitlines():
         fields = json.loads(line)
-        if isinstance(fields, dict) and MEASUREMENT in fields:
+        if _is_measurement(fields):
             found.append((dict(fields["architecture"]), float(fields[MEASUREMENT])))
     return found
 
@@ -142,6 +143,22 @@ def append_measurement(path: str | os.PathLike[str], architecture: dict[str, int
         out.write(json.dumps({MEASUREMENT: ms, "architecture": architecture}) + "\n")
         out.flush()
         os.fsync(out.fileno())
+
+
+def _fields(record: Record) -> dict[str, Any]:
+    """A record's line: its fields, but the winner check's where unset (as every record is when logged), so a log
+    reads as before they existed and a measurement line stays the only one with ``measured_latency_ms``."""
+    fields = asdict(record)
+    for name, unset in ((MEASUREMENT, None), ("over_budget", False)):
+        if fields[name] == unset:
+            del fields[name]
+    return fields
+
+
+def _is_measurement(fields: Any) -> bool:
+    """Whether a log line is a measurement (a record has an ``index``, and since records gained
+    ``measured_latency_ms`` the key alone does not tell)."""
+    return isinstance(fields, dict) and MEASUREMENT in fields and "index" not in fields
 
 
 def _not_a_log(path: str | os.PathLike[str], line: int, error: Exception) -> NASPipeConfigError:

@@ -16,6 +16,13 @@ Constraints (:class:`~.constraints.Constraints`) are hard filters applied before
 drawn or evaluated, naming the space's bound: :mod:`.bounds`) and an optional soft latency penalty
 applied to each score. Under a table every process predicts the same latency; under measured latency the first
 process measures, the others take its number, and the log keeps every measurement for a resumed search.
+
+A checked winner: a table's prediction is a sum of block times, which can miss the whole subnet's time. Under a table
+and a latency maximum, once the searcher is done, the best architectures are timed end to end in ranking order (as
+measured latency is: on the first process, shared, logged) until one measures within ``max_latency_ms`` plus
+:attr:`~.constraints.Constraints.check_margin`; that one is the best. Those measured over are kept in the history,
+marked :attr:`~.searchers.Record.over_budget`, and named in a warning; at most
+:attr:`~.constraints.Constraints.check_top` are measured.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +43,12 @@ from tqdm.auto import tqdm
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.bounds import refuse_impossible
 from lightning_naspipe.searching.constraints import Constraints
-from lightning_naspipe.searching.latency import LatencyTable
+from lightning_naspipe.searching.latency import LatencyTable, device_name
 from lightning_naspipe.searching.scoring import LatencySource, Scorer as _Scorer
 from lightning_naspipe.searching.search_log import append_log, fingerprint, read_log
 from lightning_naspipe.searching.search_plot import default_x, pareto_front, plot_search
-from lightning_naspipe.searching.searchers import Record, Searcher, ranking_key
+from lightning_naspipe.searching.searchers import Key, Record, Searcher, ranking_key
+from lightning_naspipe.searching.timing import warn_if_noisy
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet, supernet_of
 from lightning_naspipe.space.boundary import map_tensors
@@ -65,8 +74,13 @@ class SearchResult:
 
     @property
     def best_record(self) -> Record:
-        """The best record (by :attr:`Record.ranked_score`: penalized under a penalty); equal: the earlier one."""
-        return min(self.history, key=lambda r: ranking_key(r, self.maximize))
+        """The best record (by :attr:`Record.ranked_score`: penalized under a penalty); equal: the earlier one. Never
+        one measured over the latency budget (:attr:`Record.over_budget`)."""
+        candidates = [r for r in self.history if not r.over_budget]
+        if self.history and not candidates:
+            raise NASPipeConfigError("Every record of this search result measured over its latency budget: none is "
+                                     "the best.")
+        return min(candidates, key=lambda r: ranking_key(r, self.maximize))
 
     @property
     def best(self) -> Architecture:
@@ -84,19 +98,28 @@ class SearchResult:
         return plot_search(self.history, self.maximize, path, title, x, y)
 
     def table(self) -> str:
-        """Every record, best first: rank, index, score (and penalized score), params, FLOPs, latency and the
-        architecture."""
+        """Every record, best first: rank, index, score (and penalized score), params, FLOPs, latency (and the
+        latency measured end to end, where a budgeted search checked it) and the architecture. A record measured
+        over the budget keeps its place by score but no rank (``-``): it is not the best."""
         rows = sorted(self.history, key=lambda r: ranking_key(r, self.maximize))
         latency = any(r.latency_ms is not None for r in self.history)
+        checked = any(r.measured_latency_ms is not None for r in self.history)
         penalized = any(r.penalized_score is not None for r in self.history)
         lines = [f"{'rank':>4} {'index':>5} {'score':>12}" + (f" {'penalized':>12}" if penalized else "")
-                 + f" {'params':>10} {'MFLOPs':>10}" + (f" {'ms':>10}" if latency else "") + "  architecture"]
-        for n, r in enumerate(rows, 1):
-            line = f"{n:>4} {r.index:>5} {r.score:>12.6g}"
+                 + f" {'params':>10} {'MFLOPs':>10}" + (f" {'ms':>10}" if latency else "")
+                 + (f" {'measured':>10}" if checked else "") + "  architecture"]
+        n = 0
+        for r in rows:
+            n += not r.over_budget
+            line = f"{'-' if r.over_budget else n:>4} {r.index:>5} {r.score:>12.6g}"
             line += f" {r.ranked_score:>12.6g}" if penalized else ""
             line += f" {r.params:>10} {r.flops / 1e6:>10.3f}"
             line += (f" {r.latency_ms:>10.4f}" if r.latency_ms is not None else f" {'-':>10}") if latency else ""
+            line += (f" {r.measured_latency_ms:>10.4f}" if r.measured_latency_ms is not None else f" {'-':>10}"
+                     ) if checked else ""
             lines.append(f"{line}  {json.dumps(r.architecture)}")
+        if any(r.over_budget for r in rows):
+            lines.append("rank -: measured end to end over the latency budget, never the best")
         return "\n".join(lines)
 
 
@@ -131,7 +154,12 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
         latency: a :class:`~lightning_naspipe.LatencyTable` of this supernet on the target device (or its path),
             or ``"measured"``: each record gets its latency.
         max_latency_ms: only architectures whose latency is at most this; with a table, a budget no architecture
-            can meet is refused before any evaluation.
+            can meet is refused before any evaluation, and the best is checked end to end before it is returned:
+            the best architectures are timed in ranking order (on the first evaluation batch's pipeline input, cut
+            or repeated to the table's batch size; on the first process, shared, logged) until one measures at most
+            ``max_latency_ms * (1 + constraints.check_margin)`` (5% by default), that one the best; those measured
+            over stay in the history with :attr:`Record.over_budget` and are named in a warning; at most
+            ``constraints.check_top`` (5) are timed, and if none fits the search raises.
         constraints: :class:`~lightning_naspipe.Constraints`: ranges of parameters, FLOPs and latency and a soft
             latency penalty; the keywords above are folded into it (each may be given once).
 
@@ -140,7 +168,8 @@ def search(trainer: Any, model: Any, searcher: Searcher, dataloader: Iterable[An
 
     Raises:
         NASPipeConfigError: e.g. the trainer's stage processes were never launched, the dataloader is
-            empty, or no architecture meets the constraints.
+            empty, no architecture meets the constraints, or none of the best ``check_top`` predicted within the
+            latency budget measures within it.
     """
     _check_launched(trainer)
     supernet = supernet_of(model)
@@ -245,7 +274,51 @@ def _search(trainer: Any, model: Any, supernet: Supernet, device: torch.device, 
             raise NASPipeConfigError(f"{type(searcher).__name__} found no architecture within the constraints "
                                      f"({_describe(limits, constraint)}); widen the ranges.")
         raise NASPipeConfigError(f"{type(searcher).__name__} proposed no architecture; give it samples or cycles.")
+    if limits.checks_winner:
+        history = _check_best(history, limits, latency_of, maximize, rank)
     return SearchResult(history, maximize)
+
+
+def _check_best(history: list[Record], limits: Constraints, latency_of: LatencySource, maximize: bool,
+                rank: int) -> list[Record]:
+    """``history`` with the best records timed end to end, in ranking order, until one measures within the budget
+    (at most ``limits.check_top`` subnets): each checked record gets ``measured_latency_ms``, those over also
+    ``over_budget`` and a warning (on the first process). The same on every process: the first one measures."""
+    table, budget, allowed = limits.table, limits.max_latency_ms, limits.budget_ms
+    assert table is not None and budget is not None and allowed is not None
+    where = (f"on {device_name(latency_of.supernet)} at batch size {table.batch_size}, with the "
+             f"{100 * limits.check_margin:g}% margin: at most {allowed:.4f} ms")
+    checked: dict[int, Record] = {}
+    subnets: set[Key] = set()
+    fits = False
+    for record in sorted(history, key=lambda r: ranking_key(r, maximize)):
+        key = latency_of.key(record.architecture)
+        new = key not in subnets
+        if new and len(subnets) == limits.check_top:
+            break
+        subnets.add(key)
+        ms = latency_of.measure(record.architecture)
+        fits = ms <= allowed
+        checked[record.index] = dataclasses.replace(record, measured_latency_ms=ms, over_budget=not fits)
+        if fits:
+            break
+        if rank == 0 and new:
+            warnings.warn(
+                f"lnp.search: architecture {record.architecture} (record {record.index}, score {record.score:.6g}) "
+                f"was predicted at {latency_of(record.architecture):.4f} ms, within max_latency_ms={budget}, but "
+                f"measures {ms:.4f} ms end to end ({where}): it is dropped, not returned as the best.", stacklevel=4)
+    if rank == 0:
+        warn_if_noisy(latency_of.spreads, "lnp.search's end-to-end check of its best architectures")
+    if not fits:
+        measured = "; ".join(f"{r.architecture}: predicted {latency_of(r.architecture):.4f} ms, measured "
+                             f"{r.measured_latency_ms:.4f} ms" for r in checked.values())
+        raise NASPipeConfigError(
+            f"lnp.search: none of the {len(subnets)} best architectures predicted within max_latency_ms={budget} "
+            f"measures within it end to end ({where}): {measured}. The table under-predicts this device "
+            "(table.error(...) tells by how much): search with latency='measured', raise Constraints(check_top=...) "
+            "to check more, or rebuild the table. With log_path, the same search again resumes without evaluating or "
+            "measuring anything twice.")
+    return [checked.get(r.index, r) for r in history]
 
 
 def _propose(searcher: Searcher, score: _Scorer, history: list[Record], feasible: Callable[[Architecture], bool],

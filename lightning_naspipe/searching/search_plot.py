@@ -58,7 +58,8 @@ def pareto_front(history: Sequence[Record], maximize: bool, x: str = "flops", y:
 
 def plot_search(history: Sequence[Record], maximize: bool, path: str | os.PathLike[str],
                 title: str | None = None, x: str | None = None, y: str = "score") -> Path:
-    """Write a PNG of ``y`` against ``x``: every record, the Pareto front and the best.
+    """Write a PNG of ``y`` against ``x``: every record, the Pareto front, those a budgeted search measured over its
+    latency budget (crosses) and the best (never one of those).
 
     Args:
         history: the records, e.g. ``SearchResult.history``.
@@ -82,7 +83,8 @@ def plot_search(history: Sequence[Record], maximize: bool, path: str | os.PathLi
         raise NASPipeConfigError("plot_search got no records; run a search first.")
     x = default_x(history) if x is None else x
     front = pareto_front(history, maximize, x, y)
-    best = min(history, key=lambda r: ranking_key(r, maximize))
+    over = [r for r in history if r.over_budget]  # measured over the latency budget: never the best
+    best = min((r for r in history if not r.over_budget), key=lambda r: ranking_key(r, maximize), default=None)
 
     def at(records: Sequence[Record], axis: str) -> list[float]:
         return [_value(r, axis) / (1e6 if axis == "flops" else 1) for r in records]
@@ -98,8 +100,12 @@ def plot_search(history: Sequence[Record], maximize: bool, path: str | os.PathLi
         axes.scatter(at(history, x), at(history, y), s=14, color="0.6", label=f"evaluated ({len(history)})")
         axes.step(at(front, x), at(front, y), where="post", color="C0", marker="o", markersize=4,
                   label="Pareto front")
-        axes.scatter(at([best], x), at([best], y), s=80, marker="*", color="C3", zorder=3,
-                     label=f"best (#{best.index})")
+        if over:
+            axes.scatter(at(over, x), at(over, y), s=40, marker="x", color="C1", zorder=3,
+                         label=f"measured over the budget ({len(over)})")
+        if best is not None:
+            axes.scatter(at([best], x), at([best], y), s=80, marker="*", color="C3", zorder=3,
+                         label=f"best (#{best.index})")
         axes.set_xlabel(label(x))
         axes.set_ylabel(label(y))
         axes.set_title(title or f"Search: {len(history)} architectures")

@@ -19,7 +19,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from lightning_naspipe.space.choice import Architecture
@@ -50,6 +50,11 @@ class Record:
             frozen subnet timed end to end), or ``None``.
         penalized_score: under a :class:`~lightning_naspipe.LatencyPenalty`, the score after the penalty, which
             rankings, the best and the Pareto front use; ``None`` without one.
+        measured_latency_ms: its frozen subnet's latency timed end to end when a search under a table and a latency
+            budget checked it before returning it as the best (``latency_ms`` stays the prediction); ``None`` when
+            not checked.
+        over_budget: whether that check measured it over the budget (beyond the search's margin): such a record is
+            never the best. Neither of these two takes part in ``==`` (a measurement is noisy).
     """
 
     index: int
@@ -60,6 +65,10 @@ class Record:
     latency_ms: float | None = None
     latency_kind: str | None = None
     penalized_score: float | None = None
+    # Not compared: a measurement is noisy, and two searches under one table (or one on 1 and on 2 processes) are
+    # equal on what they evaluated and predicted.
+    measured_latency_ms: float | None = field(default=None, compare=False)
+    over_budget: bool = field(default=False, compare=False)
 
     @property
     def ranked_score(self) -> float:
