@@ -148,8 +148,12 @@ def test_a_latency_table_keys_and_predicts_the_embedding_width(monkeypatch: pyte
         assert deltas[0] == 0.0 and 0 < deltas[1] < deltas[2], block  # a wider embedding costs more everywhere
     narrow = {label: 0 for label in supernet.labels}
     for k in range(3):
-        expected = table.predict(narrow) + sum(dict(rows)["embed"][k] for rows in table.nested if rows)
+        # At depth 0 the ElasticDepth (block 2) runs no layer, so reads no embedding width and adds no delta of it.
+        expected = table.predict(narrow) + sum(dict(table.nested[block])["embed"][k] for block in (0, 1, 3))
         assert table.predict(narrow | {"embed": k}, supernet) == pytest.approx(expected)
+        one_layer = narrow | {"depth": 1}
+        assert table.predict(one_layer | {"embed": k}, supernet) == pytest.approx(
+            table.predict(one_layer) + sum(dict(rows)["embed"][k] for rows in table.nested))
 
 
 def _module(supernet: lnp.Supernet) -> FakeModule:

@@ -8,9 +8,12 @@ synchronised). An architecture's predicted latency is the sum of its blocks' ent
 A block without a choice of its own (a fixed block, or choices nested deeper) has one entry, timed at the
 reference subnet. A block whose choices sit deeper (a cell's edge holding its op's :class:`~.choice.ChoiceBlock`,
 choices inside an ``nn.Sequential``, elastic layers) has, besides, per label inside it the *delta* of each of the
-label's choices: the block timed with that label at ``k`` and every other label at 0, minus its reference time
-(0.0 at ``k = 0``). Its share of a prediction is its entry plus the deltas the architecture picks, an additive
-model as once-for-all's and nn-Meter's tables are: it ignores how two labels inside one block interact.
+label's choices: the block timed with that label at ``k``, minus the same subnet timed with it at 0 (0.0 at
+``k = 0``), in the subnet nearest the reference that runs it: every other label at 0, unless the label sits in a
+layer the reference leaves out (a deeper layer of an ``ElasticDepth``, a candidate or a cell edge not taken), where
+the fewest labels are raised that reach it. Its share of a prediction is its entry plus the deltas of the labels it
+reads in the architecture (a layer its depth drops reads the shared width no more), an additive model as
+once-for-all's and nn-Meter's tables are: it ignores how two labels inside one block interact.
 
 A prediction is only as good as the sum of in-place block times is to the whole subnet's time: :func:`measure_latency`
 times an architecture's frozen subnet end to end, and :meth:`LatencyTable.error` reports how far the table's
@@ -59,7 +62,8 @@ class LatencyTable:
         batch_size: the example input's batch size.
         nested: per block, per label inside it (a block without a label of its own: its nested choices'
             and elastic layers' labels, in first-seen order), ``(label, deltas)``: the latency added by each
-            of the label's choices to the block's entry, in ms (``deltas[0] == 0.0``); ``()`` for a block with
+            of the label's choices to the block's entry, in ms (``deltas[0] == 0.0``; timed where the block runs
+            the label, e.g. at the depth that keeps its layer); ``()`` for a block with
             its own label or none inside. ``()`` altogether when no block has deltas (as in tables saved before
             they existed).
     """
@@ -108,13 +112,22 @@ class LatencyTable:
                 inside = inner_labels(net.blocks[b])
                 rows = []
                 for inner in inside if label is None else ():
-                    row = [0.0]
-                    for k in range(1, net.labels[inner]):
-                        arch = {**reference, inner: k}
-                        given = _input_of(net, b, example_input, arch) if inner in seen else x
-                        row.append(time_module(net.freeze(arch)[b], given, repeats, device=device, clock=clock,
-                                               spreads=spreads) - entries[-1][0])
-                    rows.append((inner, tuple(row)))
+                    context = _reaching_context(net, b, inner, reference, inside)
+                    if context is None:  # no architecture runs it in this block: it costs nothing here
+                        rows.append((inner, (0.0,) * net.labels[inner]))
+                        continue
+
+                    def timed(arch: Mapping[str, int]) -> float:
+                        changed = {name for name, k in arch.items() if k != reference[name]}
+                        given = _input_of(net, b, example_input, arch) if changed & seen else x
+                        return time_module(net.freeze(arch)[b], given, repeats, device=device, clock=clock,
+                                           spreads=spreads)
+
+                    # Each label's own baseline, timed next to its candidates: one slow baseline run would
+                    # otherwise shift every delta of the block the same way, and their errors add up.
+                    base = timed(context)
+                    rows.append((inner, (0.0, *(timed({**context, inner: k}) - base
+                                                for k in range(1, net.labels[inner])))))
                 nested.append(tuple(rows))
                 seen.update(inside)
                 x = net.run_block(b, x, reference)
@@ -130,7 +143,8 @@ class LatencyTable:
             architecture: the subnet. Without ``supernet``, a label it does not reach should be 0 (as in
                 ``supernet.canonical(architecture)``, which searchers evaluate), else its delta counts.
             supernet: the table's supernet: the architecture is validated and, where the table has nested deltas,
-                its unreached labels contribute nothing.
+                a block adds those of the labels it reads in the architecture only (an unreached label, or the
+                shared width in the layers an ``ElasticDepth`` drops, contributes nothing).
         """
         if supernet is not None:
             if supernet not in self._checked:  # a table of another space would index out of its rows
@@ -142,7 +156,12 @@ class LatencyTable:
         total = sum(row[architecture[label]] if label is not None else row[0]
                     for row, label in zip(self.entries, self.labels))
         if self.nested:
-            total += sum(deltas[architecture[label]] for block in self.nested for label, deltas in block)
+            for b, block in enumerate(self.nested):
+                # With the supernet, a block adds a label's delta only where it reads the label (a layer its
+                # ElasticDepth drops reads the shared width no more); without it, wherever the table has it.
+                reads = _reads(supernet, b, architecture) if supernet is not None and block else None
+                total += sum(deltas[architecture[label]] for label, deltas in block
+                             if reads is None or label in reads)
         return total
 
     def _check_architecture(self, architecture: Mapping[str, int]) -> None:
@@ -328,6 +347,36 @@ def inner_labels(block: nn.Module) -> tuple[str, ...]:
         elif isinstance(module, Elastic):
             found.update((dim.label, None) for dim in module.dims.values() if dim.label is not None)
     return tuple(found)
+
+
+def _reads(net: Supernet, index: int, architecture: Mapping[str, int]) -> set[str]:
+    """The labels block ``index`` reads in subnet ``architecture``."""
+    return {label for scope in net.block_scopes(index).active(architecture) for label, _, _ in scope.choices}
+
+
+def _reaching_context(net: Supernet, index: int, label: str, reference: Mapping[str, int],
+                      inside: Sequence[str], limit: int = 4096) -> dict[str, int] | None:
+    """The subnet nearest ``reference`` (fewest and lowest changes of block ``index``'s other labels) in which the
+    block reads ``label``: ``reference`` itself unless ``label`` sits in a deeper layer of an ``ElasticDepth``, a
+    candidate not taken, or a cell edge not chosen; ``None`` when no subnet within ``limit`` tries reads it."""
+    others = [name for name in inside if name != label]
+    frontier: list[dict[str, int]] = [dict(reference)]
+    visited = {tuple(sorted(reference.items()))}
+    while frontier and len(visited) <= limit:
+        following: list[dict[str, int]] = []
+        for arch in frontier:
+            if label in _reads(net, index, arch):
+                return arch
+            for name in others:
+                for k in range(1, net.labels[name]):
+                    if arch[name] == reference[name]:
+                        step = {**arch, name: k}
+                        key = tuple(sorted(step.items()))
+                        if key not in visited:
+                            visited.add(key)
+                            following.append(step)
+        frontier = following
+    return None
 
 
 def _input_of(net: Supernet, index: int, example_input: Any, architecture: Mapping[str, int]) -> Any:
