@@ -5,6 +5,7 @@ the one-device evaluation's."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from inprocess_grid import evaluate_grid
+from lightning_naspipe.integration.eval_shards import EvalShards, LookaheadLoader, step_position
 from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from test_engine import FakeModule
@@ -67,3 +69,103 @@ def test_evaluate_shard_refuses_more_forwards_than_replicas_or_a_batch_where_non
     module: Any = FakeModule(_supernet())
     with pytest.raises(ValueError, match="one per replica"):
         engine.evaluate_shard(module, 1, _batches(1)[0], {}, torch.device("cpu"))
+
+
+class _Loader:
+    """A dataloader stand-in that counts reads."""
+
+    def __init__(self, count: int) -> None:
+        self.items, self.reads, self.batch_size = [(torch.full((2, 5), float(k)),) for k in range(count)], 0, 2
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Any:
+        for item in self.items:
+            self.reads += 1
+            yield item
+
+
+def test_the_lookahead_loader_yields_the_users_batches_and_reads_ahead_only_what_is_asked() -> None:
+    source, started = _Loader(5), []
+    loader = LookaheadLoader(source, started.append)
+    assert len(loader) == 5 and loader.batch_size == 2
+    loader.worker_init_fn = print  # Lightning sets it on the loader: it reaches the user's
+    assert source.worker_init_fn is print  # type: ignore[attr-defined]
+    iterator = iter(loader)
+    assert started == [loader] and source.reads == 0
+    first, second = next(iterator), next(iterator)
+    assert loader.batches(0, 3) == source.items[:3] and source.reads == 3  # one read ahead, for the group
+    assert [first, second, *iterator] == source.items  # the same objects, in order, each once
+    assert source.reads == 5 and loader.batches(3, 4) == source.items[3:]
+    assert list(loader) == source.items and len(started) == 2  # a new pass starts again
+
+
+def _shards(limit: float = 5, hooks: bool = False) -> tuple[EvalShards, list[tuple[Any, ...]]]:
+    calls: list[tuple[Any, ...]] = []
+    shards = EvalShards(lambda batch, idx: ("prepared", batch), lambda idx: limit, lambda: torch.device("cpu"),
+                        lambda: hooks)
+    return shards, calls
+
+
+class _ShardingEngine:
+    """An engine of replica 1 of 2 whose ``evaluate_shard`` records its call and returns named outputs."""
+
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.replicas, self.calls = SimpleNamespace(replicas=2, replica=1), calls
+
+    def evaluate_shard(self, module: Any, count: int, batch: Any, architecture: Any, device: Any) -> list[Any]:
+        self.calls.append((count, batch, architecture))
+        return [f"output {k}" for k in range(count)]
+
+
+class _EvalModule(FakeModule):
+    def eval_architecture(self, batch_idx: int, dataloader_idx: int = 0) -> dict[str, int]:
+        return uniform_architecture(self.supernet.labels, SEED, 1000 + batch_idx)
+
+
+def test_a_group_runs_this_replicas_batch_and_the_steps_of_the_group_take_their_outputs() -> None:
+    shards, calls = _shards()
+    module, engine = _EvalModule(_supernet()), _ShardingEngine([])
+    module.supernet.eval()
+    source = _Loader(5)
+    batches = iter(shards.wrap(source))
+    seen = [next(batches), next(batches)]  # Lightning's step 0, and the batch it fetched ahead
+
+    def call(batch_idx: int, batch: Any, architecture: Any = None) -> Any:
+        architecture = architecture or module.eval_architecture(batch_idx)
+        with shards.step((batch, batch_idx, 0)):
+            return shards.output(module, engine, batch, architecture)  # type: ignore[arg-type]
+
+    step0 = ("step 0",)
+    assert call(0, step0) == ("output 0",)
+    assert engine.calls == [(2, ("prepared", source.items[1]), module.eval_architecture(1))]  # replica 1: batch 1
+    assert call(0, step0) == ("output 0",) and call(1, ("step 1",)) == ("output 1",)  # no forward: the group's
+    assert len(engine.calls) == 1
+    assert call(1, ("step 1",), module.eval_architecture(7)) is None  # another architecture: unsharded
+    with shards.step((("step 2",), 2, 0)):
+        assert shards.output(module, engine, ("a copy",), module.eval_architecture(2)) is None  # type: ignore[arg-type]
+    seen.append(next(batches))
+    assert len(engine.calls) == 1 and seen == source.items[:3]
+
+
+@pytest.mark.parametrize("case", ["training", "hooks", "last batch", "no batch_idx", "one replica"])
+def test_sharding_falls_back_where_it_could_change_a_result(case: str) -> None:
+    shards, calls = _shards(limit=1 if case == "last batch" else 5, hooks=case == "hooks")
+    module, engine = _EvalModule(_supernet()), _ShardingEngine(calls)
+    module.supernet.train(case == "training")
+    if case == "one replica":
+        engine.replicas = None  # type: ignore[assignment]
+    batches = iter(shards.wrap(_Loader(5)))
+    next(batches)
+    batch = ("step 0",)
+    with shards.step(None if case == "no batch_idx" else (batch, 0, 0)):
+        assert shards.output(module, engine, batch, module.eval_architecture(0)) is None  # type: ignore[arg-type]
+    assert calls == [] and shards.unsharded_calls == 1
+
+
+def test_step_position_follows_lightnings_step_arguments() -> None:
+    assert step_position(("b", 3), True) == ("b", 3, 0)
+    assert step_position(("b", 3, 1), True) == ("b", 3, 1)
+    assert step_position(("b", 1), False) is None  # (batch, dataloader_idx): the step takes no batch_idx
+    assert step_position((iter([]),), True) is None  # the dataloader_iter flavour
