@@ -142,11 +142,16 @@ def test_a_group_runs_this_replicas_batch_and_the_steps_of_the_group_take_their_
     assert engine.calls == [(2, ("prepared", source.items[1]), module.eval_architecture(1))]  # replica 1: batch 1
     assert call(0, step0) == ("output 0",) and call(1, ("step 1",)) == ("output 1",)  # no forward: the group's
     assert len(engine.calls) == 1
-    assert call(1, ("step 1",), module.eval_architecture(7)) is None  # another architecture: unsharded
-    with shards.step((("step 2",), 2, 0)):
-        assert shards.output(module, engine, ("a copy",), module.eval_architecture(2)) is None  # type: ignore[arg-type]
+    # Another architecture (e.g. one of a fixed list evaluated on every batch): a group of its own, batches 1 and 2,
+    # that predicts the same architecture for batch 2.
+    fixed = module.eval_architecture(7)
+    assert call(1, ("step 1",), fixed) == ("output 0",)
+    assert engine.calls[1:] == [(2, ("prepared", source.items[2]), fixed)]
     seen.append(next(batches))
-    assert len(engine.calls) == 1 and seen == source.items[:3]
+    assert call(2, ("step 2",), fixed) == ("output 1",) and len(engine.calls) == 2
+    with shards.step((("step 2",), 2, 0)):  # a batch other than the step's: unsharded
+        assert shards.output(module, engine, ("a copy",), fixed) is None  # type: ignore[arg-type]
+    assert seen == source.items[:3] and (shards.groups, shards.sharded_calls, shards.unsharded_calls) == (2, 5, 1)
 
 
 @pytest.mark.parametrize("case", ["training", "hooks", "last batch", "no batch_idx", "one replica"])

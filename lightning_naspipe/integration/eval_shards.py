@@ -27,8 +27,6 @@ it cannot change a result; every other call runs unsharded, as before. All of th
 * the strategy has ``D > 1`` replicas, and the call is made from a ``validation_step``, ``test_step`` or
   ``predict_step`` that takes ``batch_idx`` (not the ``dataloader_iter`` flavour), with that step's ``batch`` object
   as Lightning handed it (not a copy or a part of it, and not changed in place);
-* ``architecture`` is ``eval_architecture(batch_idx, dataloader_idx)`` (the default steps; a user's step that calls
-  ``self.subnet_output(batch, self.eval_architecture(batch_idx))``), which must stay a pure function of its index;
 * the supernet is in eval mode throughout (a module in training mode, e.g. BatchNorm updating running statistics,
   would see batches in another order on each replica);
 * neither the module nor its datamodule overrides a batch-transfer hook (a replica runs them on its future batch
@@ -36,10 +34,14 @@ it cannot change a result; every other call runs unsharded, as before. All of th
 * at least two batches are left in the pass (a last group has fewer than ``D``: its batches go to the first
   replicas; a single batch runs unsharded).
 
-A group's output is used at its own step only if that step calls with the same architecture and its own batch
-(as often as the step calls so: a metric may call again); otherwise the step runs unsharded. The outputs of a group
-are kept until the next group starts. A dataset that draws from torch's global generator while a step draws from
-it too would see the draws in another order (the group reads ahead): keep evaluation data deterministic.
+A group predicts the architectures of its later steps: ``eval_architecture(b + r, dataloader_idx)`` when the call
+passed ``eval_architecture(b, dataloader_idx)`` (the default steps, or a step calling
+``self.subnet_output(batch, self.eval_architecture(batch_idx))``; keep it a pure function of its index), else the
+same architecture (a fixed list of subnets evaluated on every batch, each call its own group). A later step takes a
+group's output only for its own batch and the architecture the group ran for it, as often as it calls so (a metric
+may call again); a call the group did not predict starts a group of its own there, or runs unsharded. Outputs are
+kept until their step is past. A dataset that draws from torch's global generator while a step draws from it too
+would see the draws in another order (a group reads ahead): keep evaluation data deterministic.
 """
 
 from __future__ import annotations
@@ -178,8 +180,8 @@ class EvalShards:
         self._hooks_overridden = hooks_overridden
         self.loader: LookaheadLoader | None = None
         self._step: tuple[Any, int, int] | None = None
-        # (loader, batch index) -> (architecture, output) of the running group's batches.
-        self._cache: dict[tuple[int, int], tuple[dict[str, int], BlockValue]] = {}
+        # (loader, batch index, architecture) -> output, of the running groups' batches.
+        self._cache: dict[tuple[int, int, tuple[tuple[str, int], ...]], BlockValue] = {}
         #: Groups run sharded, and ``subnet_output`` calls answered from one (sharded) or run unsharded, this process.
         self.groups = 0
         self.sharded_calls = 0
@@ -212,15 +214,11 @@ class EvalShards:
         _, batch_idx, dataloader_idx = step
         supernet = module.supernet
         architecture = supernet.validate(architecture)
-        cached = self._cache.get((id(loader), batch_idx))  # (a step may call again, e.g. for a metric)
-        if cached is not None:
-            if cached[0] == architecture:
-                self.sharded_calls += 1
-                return (cached[1],)
-            return self._unsharded()
-        eval_architecture: Callable[[int, int], dict[str, int]] = cast(Any, module).eval_architecture
-        if (architecture != supernet.validate(eval_architecture(batch_idx, dataloader_idx))
-                or loader.handed_out not in (batch_idx + 1, batch_idx + 2)  # this pass's step (one read ahead)
+        cached = self._cache.get((id(loader), batch_idx, _key(architecture)))
+        if cached is not None:  # (a step may call again for the same subnet, e.g. for a metric)
+            self.sharded_calls += 1
+            return (cached,)
+        if (loader.handed_out not in (batch_idx + 1, batch_idx + 2)  # this pass's step (Lightning reads one ahead)
                 or any(m.training for m in supernet.modules()) or self._hooks_overridden()):
             return self._unsharded()
         left = self._limit(dataloader_idx) - batch_idx
@@ -228,12 +226,18 @@ class EvalShards:
         if len(raw) < 2:
             return self._unsharded()
         count, replica = len(raw), replicas.replica
+        # The group's later steps will call with eval_architecture of their index if this one did, else with this
+        # same architecture (a fixed list of subnets evaluated on every batch); a step that does not, runs unsharded.
+        eval_architecture: Callable[[int, int], dict[str, int]] = cast(Any, module).eval_architecture
+        follows = architecture == supernet.validate(eval_architecture(batch_idx, dataloader_idx))
         architectures = [architecture] + [supernet.validate(eval_architecture(batch_idx + k, dataloader_idx))
-                                          for k in range(1, count)]
+                                          if follows else architecture for k in range(1, count)]
         mine = (batch if replica == 0 else self._prepare(raw[replica], dataloader_idx)) if replica < count else None
         outputs = engine.evaluate_shard(module, count, mine, architectures[replica] if replica < count else None,
                                         self._device())
-        self._cache = {(id(loader), batch_idx + k): (architectures[k], outputs[k]) for k in range(count)}
+        self._cache = {key: value for key, value in self._cache.items()
+                       if key[0] == id(loader) and key[1] >= batch_idx}  # the steps before are done
+        self._cache.update({(id(loader), batch_idx + k, _key(architectures[k])): outputs[k] for k in range(count)})
         self.groups += 1
         self.sharded_calls += 1
         return (outputs[0],)
@@ -241,3 +245,7 @@ class EvalShards:
     def _unsharded(self) -> tuple[BlockValue] | None:
         self.unsharded_calls += 1
         return None
+
+
+def _key(architecture: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(architecture.items()))

@@ -120,9 +120,9 @@ class NASPipeMixin:
 
         Under ``strategy="naspipe"`` with several stages the batch flows through the pipeline and
         the output is returned on every stage, so validation code runs unchanged on every rank. With data-parallel
-        replicas, a call with the step's ``batch`` and ``eval_architecture(batch_idx)`` from an evaluation step is
-        sharded: each replica runs its share of consecutive batches and the outputs are exchanged, bit for bit the
-        same (see :mod:`lightning_naspipe.integration.eval_shards` for the rule).
+        replicas, a call with the step's ``batch`` from an evaluation step is sharded: each replica runs its share of
+        consecutive batches (under ``eval_architecture`` of each, or the same architecture on each) and the outputs
+        are exchanged, bit for bit the same (see :mod:`lightning_naspipe.integration.eval_shards` for the rule).
         """
         module: Any = self
         strategy = module.trainer.strategy if lightning.is_attached(module) else None
