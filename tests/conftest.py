@@ -35,7 +35,7 @@ _UNIT = """actions affinity arguments auto_layout block_cost block_timing constr
     wire kinds benchmarks_index streamed links bounds timing latency_spaces"""
 _INPROCESS = """batch_hooks boundary callback cells checkpoint_io clipping compat data elastic engine finders loop_state
     loss_log loss_state microbatch mixin namespaces offload progress replicas_engine search startup step_sampling
-    stepping strategy telemetry ties elastic_transformer"""
+    stepping strategy telemetry ties elastic_transformer eval_shards"""
 _MULTIPROCESS = "distributed pipeline pipeline_cells replicas_stages ties_stages transport"
 _SCENARIO = "cli examples recipes_stages usage usage_stages verify"
 KIND_OF_MODULE = {f"test_{name}": kind for kind, names in zip(KINDS, (_UNIT, _INPROCESS, _MULTIPROCESS, _SCENARIO))

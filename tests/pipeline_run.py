@@ -162,6 +162,10 @@ def main() -> None:
     torch.save(model.state_dict(), f"{args.out}.rank{trainer.global_rank}")
     torch.save(trainer.strategy.stage_ranges, f"{args.out}.ranges{trainer.global_rank}")
     torch.save(trainer.strategy.engine.forwards_ahead, f"{args.out}.ahead{trainer.global_rank}")
+    shards = trainer.strategy.eval_shards
+    torch.save({"forwards": trainer.strategy.engine.evaluations, "groups": shards.groups,
+                "sharded": shards.sharded_calls, "unsharded": shards.unsharded_calls},
+               f"{args.out}.evals{trainer.global_rank}")
     if trainer.global_rank == 0:
         torch.save(model.losses, args.out + ".losses")
     if args.validate_after:

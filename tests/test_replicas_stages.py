@@ -162,14 +162,22 @@ def test_two_by_two_with_lookahead_equals_the_plain_trainer(tmp_path: Path, monk
 
 def test_replicas_log_and_validate_as_the_plain_trainer(tmp_path: Path) -> None:
     """Every subnet's loss at its own step, validation each epoch and ModelCheckpoint(monitor="val_loss"),
-    with one stage of two replicas: the plain run's rows."""
+    with one stage of two replicas: the plain run's rows. Validation is sharded (integration/eval_shards.py): the
+    two replicas ran the validation batches' forwards between them, each batch once."""
     from pytorch_lightning.loggers import CSVLogger
 
     from helpers import toy_loader, train
     from test_loss_log import logged_rows
 
-    _launch(tmp_path, "--devices", "2", "--num-stages", "1", "--chunks", "4", "--log-dir", str(tmp_path / "piped"),
-            lightning_launcher=True)
+    ckpt = _launch(tmp_path, "--devices", "2", "--num-stages", "1", "--chunks", "4", "--log-dir",
+                   str(tmp_path / "piped"), lightning_launcher=True)
+    evals = [torch.load(f"{ckpt}.evals{rank}") for rank in (0, 1)]
+    # The sanity check's 2 batches (one group), then 5 per epoch (40 samples of 8) for 2 epochs: groups [0, 1] and
+    # [2, 3], and batch 4 alone unsharded (both replicas run it). ToyNet's validation_step calls subnet_output twice
+    # per batch (the loss, then val_acc): the second call takes the group's output too. 5 group forwards and 2 x 2 of
+    # batch 4 per replica, where unsharded each replica ran 12 x 2.
+    assert [e["forwards"] for e in evals] == [5 + 4] * 2, evals
+    assert all(e["groups"] == 5 and e["sharded"] == 4 + 8 + 8 and e["unsharded"] == 2 + 2 for e in evals), evals
     train(lnp.NASPipeStrategy(window=8, chunks=4), max_epochs=2,
           logger=CSVLogger(tmp_path / "plain", name="", version=""), log_every_n_steps=1, loader=toy_loader(),
           val_loader=toy_loader(samples=40, shuffle=False))

@@ -40,6 +40,7 @@ _AFTER_STEP_ADVICE = ("Using ModelCheckpoint with manual optimization and every_
 _CHECKPOINT_MODULES = r"(lightning\.pytorch|pytorch_lightning)\.callbacks\.model_checkpoint\Z"
 
 if TYPE_CHECKING:
+    from lightning_naspipe.integration.eval_shards import EvalShards
     from lightning_naspipe.pipeline.runtime.engine import Engine
 
 
@@ -48,6 +49,8 @@ class PipelineRunner(Protocol):
     """What the mixin needs from ``NASPipeStrategy`` (which imports this module, not the other way)."""
 
     engine: Engine | None
+    #: Sharded evaluation over the replicas (see :mod:`.eval_shards`).
+    eval_shards: EvalShards
 
     def report_stages(self) -> None: ...
 

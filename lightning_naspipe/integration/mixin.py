@@ -119,11 +119,19 @@ class NASPipeMixin:
         """Run subnet ``architecture`` on ``batch`` (no backward) and return its output.
 
         Under ``strategy="naspipe"`` with several stages the batch flows through the pipeline and
-        the output is returned on every stage, so validation code runs unchanged on every rank.
+        the output is returned on every stage, so validation code runs unchanged on every rank. With data-parallel
+        replicas, a call with the step's ``batch`` from an evaluation step is sharded: each replica runs its share of
+        consecutive batches (under ``eval_architecture`` of each, or the same architecture on each) and the outputs
+        are exchanged, bit for bit the same (see :mod:`lightning_naspipe.integration.eval_shards` for the rule).
         """
         module: Any = self
         strategy = module.trainer.strategy if lightning.is_attached(module) else None
         engine = strategy.engine if isinstance(strategy, PipelineRunner) and strategy.engine else None
+        if engine is not None and engine.replicas is not None:  # sharded over the replicas where exact (.eval_shards)
+            assert isinstance(strategy, PipelineRunner)
+            sharded = strategy.eval_shards.output(cast("EngineModule", self), engine, batch, architecture)
+            if sharded is not None:
+                return sharded[0]
         return (engine or self._sequential_engine()).evaluate(cast("EngineModule", self), batch, architecture)
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Tensor:

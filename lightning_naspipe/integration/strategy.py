@@ -25,6 +25,7 @@ from lightning_naspipe.integration.arguments import check_all
 from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
 from lightning_naspipe.integration.binding import bind_classes
 from lightning_naspipe.integration.callback import StageWeightsSync
+from lightning_naspipe.integration.eval_shards import EvalShards, step_position
 from lightning_naspipe.integration.data import (
     DataTracker,
     WindowLoader,
@@ -197,6 +198,9 @@ class NASPipeStrategy(PipelineBuilding):
         self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
         self._stepping_trainer: Any = None  # the Trainer whose estimated_stepping_batches counts subnets
         self._loader: WindowLoader | None = None  # the fit's (a setup hook may load it before our setup)
+        #: Validation, test and predict sharded over the replicas where exact (:mod:`.eval_shards`).
+        self.eval_shards = EvalShards(self._prepare_eval_batch, self._eval_batch_limit, lambda: self.root_device,
+                                      lambda: transfer_hooks_overridden(self._trainer(), self.lightning_module))
 
     @override
     def connect(self, model: Any) -> None:
@@ -391,7 +395,9 @@ class NASPipeStrategy(PipelineBuilding):
         training = trainer is not None and trainer.training
         check_batch_sizes(dataloader, self.chunks, supernet_of(self.lightning_module), training)
         if trainer is None or not training:
-            return dataloader
+            # Evaluation: with several processes, read ahead for the replicas' groups (num_stages="auto" may choose
+            # replicas after the sanity check, whose loaders the later validations reuse).
+            return self.eval_shards.wrap(dataloader) if self.world_size > 1 else dataloader
         # ModelCheckpoint(every_n_train_steps=n) checks global_step % n after each window.
         triggers = [n for c in trainer.checkpoint_callbacks if (n := lightning.every_n_train_steps(c)) > 0]
         # limit_train_batches (and overfit_batches, which sets it) counts the user's batches here; Lightning,
@@ -403,6 +409,44 @@ class NASPipeStrategy(PipelineBuilding):
         self._loader = WindowLoader(dataloader, self.window, self.data_tracker, triggers,  # type: ignore[arg-type]
                                     limit)
         return self._loader
+
+    # -- evaluation ---------------------------------------------------------------------------------
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.eval_shards.step(self._step_position("validation_step", args)):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.eval_shards.step(self._step_position("test_step", args)):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.eval_shards.step(self._step_position("predict_step", args)):
+            return super().predict_step(*args, **kwargs)
+
+    def _step_position(self, hook: str, args: tuple[Any, ...]) -> tuple[Any, int, int] | None:
+        """Where the evaluation step called with ``args`` stands (:func:`.eval_shards.step_position`)."""
+        if self.engine is None or self.engine.replicas is None or self._namespace is None:
+            return None
+        signatures = self._namespace.pytorch_module("utilities.signature_utils")
+        takes = signatures.is_param_in_hook_signature(getattr(self.lightning_module, hook), "batch_idx", min_args=2)
+        return step_position(args, bool(takes))
+
+    def _prepare_eval_batch(self, batch: Any, dataloader_idx: int) -> Any:
+        """What Lightning's evaluation loop does to ``batch`` before the step (with no batch-transfer hook of the
+        module's own: those turn sharding off)."""
+        return self.batch_to_device(self.precision_plugin.convert_input(batch), dataloader_idx=dataloader_idx)
+
+    def _eval_batch_limit(self, dataloader_idx: int) -> int | float:
+        """The batches Lightning reads from evaluation dataloader ``dataloader_idx`` in the running pass."""
+        trainer = self._trainer()
+        limits = (trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+                  if trainer.validating else trainer.num_test_batches if trainer.testing
+                  else trainer.num_predict_batches if trainer.predicting else [])
+        return limits[dataloader_idx] if dataloader_idx < len(limits) else 0
 
     @classmethod
     @override

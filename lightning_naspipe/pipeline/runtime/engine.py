@@ -38,6 +38,7 @@ from lightning_naspipe.pipeline.offload.offload import Offloader
 from lightning_naspipe.pipeline.offload.residency import WindowResidency
 from lightning_naspipe.schedule.actions import FORWARD, Action
 from lightning_naspipe.schedule.schedules import SCHEDULES
+from lightning_naspipe.space.boundary import map_tensors
 from lightning_naspipe.space.supernet import BlockValue, Resource
 from lightning_naspipe.pipeline.runtime.telemetry import StageTelemetry
 from lightning_naspipe.pipeline.exactness.ties import ties_of
@@ -144,6 +145,9 @@ class Engine:
         self._replica_updates: ReplicaUpdates | None = None
         self._teachers = Teachers(replicas)
         self._stage_executor: StageExecutor | None = None
+        #: Evaluation forwards this stage has run (:meth:`evaluate`; with replicas, :meth:`evaluate_shard` runs one
+        #: per replica where every replica ran each).
+        self.evaluations = 0
 
     def chunk_share_of(self, subnets: int) -> range:
         """The micro-batches of a training step of ``subnets`` subnets that this replica trains
@@ -306,6 +310,7 @@ class Engine:
         keys = module.supernet.resources(self.blocks, architecture)
         if self.offloader is not None:
             self.offloader.acquire(keys)
+        self.evaluations += 1
         try:
             output = self._executor(module).forward_only(batch, architecture, stage_run)
         finally:  # an error must not leave the resources counted as in use
@@ -315,6 +320,27 @@ class Engine:
             self.transport.end_window()
             output = self.transport.share(output)
         return output
+
+    def evaluate_shard(self, module: EngineModule, count: int, batch: Batch | None,
+                       architecture: dict[str, int] | None, device: torch.device) -> list[BlockValue]:
+        """The outputs of ``count`` evaluation forwards (at most one per replica), every one on every rank.
+
+        Replica ``r < count`` runs its ``batch`` under ``architecture`` through its own pipeline (:meth:`evaluate`);
+        a replica ``count`` or beyond runs nothing (pass ``None``). The replicas then exchange their outputs, so every
+        rank holds all ``count``, in replica order, on ``device``. The replicas hold the same weights and run the same
+        forward, so each output is bit for bit what :meth:`evaluate` gives on any replica; the exchange only copies.
+        Collective over this stage's replicas and along each pipeline: every rank passes the same ``count``.
+        """
+        if self.replicas is None or not 1 <= count <= self.replicas.replicas:
+            raise ValueError(f"evaluate_shard takes 1 to {self.replicas.replicas if self.replicas else 1} forwards "
+                             f"(one per replica), got {count}")
+        mine = self.replicas.replica < count
+        if mine != (batch is not None and architecture is not None):
+            raise ValueError(f"replica {self.replicas.replica} of {count} forwards must get a batch and an "
+                             "architecture exactly when it runs one")
+        own = self.evaluate(module, batch, architecture) if mine else None  # type: ignore[arg-type]
+        outputs = self.replicas.gather(own)[:count]
+        return [map_tensors(lambda t: t if t.device == device else t.to(device), value) for value in outputs]
 
     def _update_clipping(self, module: EngineModule, norms: bool) -> UpdateClipping | None:
         """How this window's updates clip; ``None`` where they need nothing (one stage, no clipping)."""
