@@ -25,7 +25,6 @@ from lightning_naspipe.integration.arguments import check_all
 from lightning_naspipe.integration.batch_hooks import call_per_subnet_batch, stop_calling_per_subnet_batch
 from lightning_naspipe.integration.binding import bind_classes
 from lightning_naspipe.integration.callback import StageWeightsSync
-from lightning_naspipe.integration.eval_shards import EvalShards, step_position
 from lightning_naspipe.integration.data import (
     DataTracker,
     WindowLoader,
@@ -44,7 +43,7 @@ from lightning_naspipe.integration.progress import count_subnets
 from lightning_naspipe.integration.stepping import count_subnet_steps, stop_counting_subnet_steps
 from lightning_naspipe.pipeline.placement.stage_table import chunks_hint, stage_table
 from lightning_naspipe.space.supernet import supernet_of
-from lightning_naspipe.integration.pipeline_build import PipelineBuilding
+from lightning_naspipe.integration.eval_steps import ShardedEvaluation
 from lightning_naspipe.pipeline.runtime.telemetry import write_trace_files
 
 
@@ -54,7 +53,7 @@ from lightning_naspipe.pipeline.runtime.telemetry import write_trace_files
 _SYNC_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
 
-class NASPipeStrategy(PipelineBuilding):
+class NASPipeStrategy(ShardedEvaluation):
     """Trains a NASPipe supernet with causal-synchronous-parallel (CSP) pipelining.
 
     Use it as ``Trainer(strategy="naspipe", devices=N)`` or ``Trainer(strategy=NASPipeStrategy(...))``.
@@ -198,9 +197,7 @@ class NASPipeStrategy(PipelineBuilding):
         self._train_limit: int | float | None = None  # the user's limit_train_batches during a fit
         self._stepping_trainer: Any = None  # the Trainer whose estimated_stepping_batches counts subnets
         self._loader: WindowLoader | None = None  # the fit's (a setup hook may load it before our setup)
-        #: Validation, test and predict sharded over the replicas where exact (:mod:`.eval_shards`).
-        self.eval_shards = EvalShards(self._prepare_eval_batch, self._eval_batch_limit, lambda: self.root_device,
-                                      lambda: transfer_hooks_overridden(self._trainer(), self.lightning_module))
+        self._init_evaluation()
 
     @override
     def connect(self, model: Any) -> None:
@@ -212,10 +209,6 @@ class NASPipeStrategy(PipelineBuilding):
         self.chunks, self._chunks_note = resolve_chunks(model, self.chunks_setting)
         super().connect(model)  # type: ignore[arg-type]  # the namespace's ParallelStrategy
         self._stepping_trainer = count_subnet_steps(self._trainer())  # before a hook reads it (setup, ...)
-
-    def _trainer(self) -> Any:
-        assert self.lightning_module is not None, "the strategy is connected to a module"
-        return self.lightning_module.trainer
 
     # -- setup and the training loop ------------------------------------------------------------
 
@@ -409,44 +402,6 @@ class NASPipeStrategy(PipelineBuilding):
         self._loader = WindowLoader(dataloader, self.window, self.data_tracker, triggers,  # type: ignore[arg-type]
                                     limit)
         return self._loader
-
-    # -- evaluation ---------------------------------------------------------------------------------
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.eval_shards.step(self._step_position("validation_step", args)):
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.eval_shards.step(self._step_position("test_step", args)):
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.eval_shards.step(self._step_position("predict_step", args)):
-            return super().predict_step(*args, **kwargs)
-
-    def _step_position(self, hook: str, args: tuple[Any, ...]) -> tuple[Any, int, int] | None:
-        """Where the evaluation step called with ``args`` stands (:func:`.eval_shards.step_position`)."""
-        if self.engine is None or self.engine.replicas is None or self._namespace is None:
-            return None
-        signatures = self._namespace.pytorch_module("utilities.signature_utils")
-        takes = signatures.is_param_in_hook_signature(getattr(self.lightning_module, hook), "batch_idx", min_args=2)
-        return step_position(args, bool(takes))
-
-    def _prepare_eval_batch(self, batch: Any, dataloader_idx: int) -> Any:
-        """What Lightning's evaluation loop does to ``batch`` before the step (with no batch-transfer hook of the
-        module's own: those turn sharding off)."""
-        return self.batch_to_device(self.precision_plugin.convert_input(batch), dataloader_idx=dataloader_idx)
-
-    def _eval_batch_limit(self, dataloader_idx: int) -> int | float:
-        """The batches Lightning reads from evaluation dataloader ``dataloader_idx`` in the running pass."""
-        trainer = self._trainer()
-        limits = (trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-                  if trainer.validating else trainer.num_test_batches if trainer.testing
-                  else trainer.num_predict_batches if trainer.predicting else [])
-        return limits[dataloader_idx] if dataloader_idx < len(limits) else 0
 
     @classmethod
     @override
