@@ -144,16 +144,20 @@ def test_a_latency_table_keys_and_predicts_the_embedding_width(monkeypatch: pyte
     assert [label for label, _ in table.nested[0]] == ["embed"]
     assert {label for label, _ in table.nested[1]} == {"embed", "block1.attention.heads", "block1.mlp.hidden"}
     for block in (0, 1, 3):
+        # A wider embedding costs more everywhere; the shared width is timed around its middle choice.
         deltas = dict(table.nested[block])["embed"]
-        assert deltas[0] == 0.0 and 0 < deltas[1] < deltas[2], block  # a wider embedding costs more everywhere
-    narrow = {label: 0 for label in supernet.labels}
+        assert deltas[0] < deltas[1] == 0.0 < deltas[2], block
+    narrow = {label: 0 for label in supernet.labels}  # the other labels' reference: their deltas there are 0
+    base = sum(row[0] for row in table.entries)
+
+    def embed(k: int, blocks: tuple[int, ...]) -> float:
+        return sum(dict(table.nested[block])["embed"][k] for block in blocks)
+
     for k in range(3):
         # At depth 0 the ElasticDepth (block 2) runs no layer, so reads no embedding width and adds no delta of it.
-        expected = table.predict(narrow) + sum(dict(table.nested[block])["embed"][k] for block in (0, 1, 3))
-        assert table.predict(narrow | {"embed": k}, supernet) == pytest.approx(expected)
-        one_layer = narrow | {"depth": 1}
-        assert table.predict(one_layer | {"embed": k}, supernet) == pytest.approx(
-            table.predict(one_layer) + sum(dict(rows)["embed"][k] for rows in table.nested))
+        assert table.predict(narrow | {"embed": k}, supernet) == pytest.approx(base + embed(k, (0, 1, 3)))
+        assert table.predict(narrow | {"depth": 1, "embed": k}, supernet) == pytest.approx(
+            base + dict(table.nested[2])["depth"][1] + embed(k, (0, 1, 2, 3)))
 
 
 def _module(supernet: lnp.Supernet) -> FakeModule:

@@ -310,10 +310,11 @@ def test_elastic_layers_get_per_label_deltas_across_blocks(monkeypatch: pytest.M
     _by_parameters(monkeypatch)
     table = lnp.LatencyTable.measure(supernet, torch.randn(8, 4), repeats=1)
     assert table.labels == (None, None, None) and [len(row) for row in table.entries] == [1, 1, 1]
-    # Block 1 reads "w" through its input width: it is timed on what it receives when block 0 takes "w" = k.
-    assert table.nested[0] == (("w", pytest.approx((0.0, 56 * 5 / 1000, 120 * 5 / 1000))),)
+    # Block 1 reads "w" through its input width: it is timed on what it receives when block 0 takes "w" = k. Both
+    # blocks read "w", a shared width: its deltas are taken around its middle choice (64), the others' around 0.
+    assert table.nested[0] == (("w", pytest.approx((-56 * 5 / 1000, 0.0, 64 * 5 / 1000))),)
     assert [label for label, _ in table.nested[1]] == ["w", "d"] and table.nested[2] == ()
-    assert table.nested[1][0][1] == pytest.approx((0.0, 56 * 32 / 1000, 120 * 32 / 1000))
+    assert table.nested[1][0][1] == pytest.approx((-56 * 32 / 1000, 0.0, 64 * 32 / 1000))
     assert table.nested[1][1][1] == pytest.approx((0.0, 32 * 33 / 1000, 2 * 32 * 33 / 1000))
     arch = {"w": 2, "d": 1}
     assert table.predict(arch) == (sum(row[0] for row in table.entries)

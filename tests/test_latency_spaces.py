@@ -101,10 +101,12 @@ def test_an_autoformer_table_keys_every_label_and_predicts_exactly_where_the_cos
     assert keyed(table) == set(supernet.labels)
     depth = dict(table.nested[2])
     assert set(depth) == {"depth", "embed"} | {label for label in supernet.labels if label.startswith("block2.layers")}
-    for label in ("block2.layers.0.body.attention.heads", "block2.layers.1.body.mlp.hidden", "embed"):
+    for label in ("block2.layers.0.body.attention.heads", "block2.layers.1.body.mlp.hidden"):
         assert depth[label][0] == 0.0 and depth[label][-1] > 0, label  # timed where the depth runs that layer
+    # The shared embedding width is timed around its middle choice, where the depth runs a layer too.
+    assert depth["embed"][0] < depth["embed"][1] == 0.0 < depth["embed"][2]
     # At the reference embedding width every other label adds the same wherever the others are: exact.
-    archs = [uniform_architecture(supernet.labels, 5, i) | {"embed": 0} for i in range(12)]
+    archs = [uniform_architecture(supernet.labels, 5, i) | {"embed": 1} for i in range(12)]
     assert {a["depth"] for a in archs} == {0, 1, 2}
     report = table.error(supernet, x, architectures=archs, repeats=1)
     for arch, predicted, measured in report.rows:

@@ -22,6 +22,7 @@ predictions are from it on a sample of architectures (:class:`LatencyReport`), s
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import os
@@ -62,7 +63,8 @@ class LatencyTable:
         batch_size: the example input's batch size.
         nested: per block, per label inside it (a block without a label of its own: its nested choices'
             and elastic layers' labels, in first-seen order), ``(label, deltas)``: the latency added by each
-            of the label's choices to the block's entry, in ms (``deltas[0] == 0.0``; timed where the block runs
+            of the label's choices to the block's entry, in ms (``0.0`` at the label's reference choice: its middle one
+            for a label several blocks read, a shared width, else its first; timed where the block runs
             the label, e.g. at the depth that keeps its layer); ``()`` for a block with
             its own label or none inside. ``()`` altogether when no block has deltas (as in tables saved before
             they existed).
@@ -96,7 +98,12 @@ class LatencyTable:
         net = copy.deepcopy(supernet).eval()
         net.local_blocks = None
         device = next(iter(net.parameters()), torch.empty(0)).device
-        reference = {label: 0 for label in net.labels}
+        # A label several blocks read (a shared width) is timed around its middle choice, the others around their
+        # first: a cost that multiplies a layer's own choice by the shared width (an MLP's ratio times the
+        # embedding width) is then off by the width's distance from the middle, both ways, not from the smallest,
+        # which under-predicted every wide subnet (AutoFormer-style spaces by ~25%).
+        readers = collections.Counter(label for block in net.blocks for label in inner_labels(block))
+        reference = {label: (count - 1) // 2 if readers[label] > 1 else 0 for label, count in net.labels.items()}
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in net.blocks)
         entries: list[tuple[float, ...]] = []
         nested: list[tuple[tuple[str, tuple[float, ...]], ...]] = []
@@ -126,8 +133,8 @@ class LatencyTable:
                     # Each label's own baseline, timed next to its candidates: one slow baseline run would
                     # otherwise shift every delta of the block the same way, and their errors add up.
                     base = timed(context)
-                    rows.append((inner, (0.0, *(timed({**context, inner: k}) - base
-                                                for k in range(1, net.labels[inner])))))
+                    rows.append((inner, tuple(0.0 if k == context[inner] else timed({**context, inner: k}) - base
+                                              for k in range(net.labels[inner]))))
                 nested.append(tuple(rows))
                 seen.update(inside)
                 x = net.run_block(b, x, reference)
@@ -368,8 +375,8 @@ def _reaching_context(net: Supernet, index: int, label: str, reference: Mapping[
             if label in _reads(net, index, arch):
                 return arch
             for name in others:
-                for k in range(1, net.labels[name]):
-                    if arch[name] == reference[name]:
+                for k in range(net.labels[name]):
+                    if arch[name] == reference[name] != k:
                         step = {**arch, name: k}
                         key = tuple(sorted(step.items()))
                         if key not in visited:
