@@ -139,6 +139,7 @@ def test_a_latency_table_keys_and_predicts_the_embedding_width(monkeypatch: pyte
         return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
 
     monkeypatch.setattr(latency_module, "time_module", by_parameters)
+    monkeypatch.setattr(latency_module, "time_modules", lambda runs, *a, **k: [by_parameters(m, x) for m, x in runs])
     supernet = autoformer()
     table = lnp.LatencyTable.measure(supernet, images(1)[0][0], repeats=1)
     assert [label for label, _ in table.nested[0]] == ["embed"]

@@ -274,6 +274,7 @@ def _by_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
         return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
 
     monkeypatch.setattr(latency_module, "time_module", fake)
+    monkeypatch.setattr(latency_module, "time_modules", lambda runs, *a, **k: [fake(m, x) for m, x in runs])
 
 
 def _cost(module: nn.Module) -> float:

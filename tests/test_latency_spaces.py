@@ -51,6 +51,7 @@ def fake_timing(monkeypatch: pytest.MonkeyPatch) -> None:
         return shape_cost(module)
 
     monkeypatch.setattr(latency_module, "time_module", fake)
+    monkeypatch.setattr(latency_module, "time_modules", lambda runs, *a, **k: [fake(m, x) for m, x in runs])
 
 
 def keyed(table: lnp.LatencyTable) -> set[str]:

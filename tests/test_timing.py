@@ -63,3 +63,29 @@ def test_the_error_report_warns_on_a_busy_machine_and_names_measured_latency_whe
         warnings.simplefilter("error")
         steady = close.error(supernet, x, samples=3, repeats=3, clock=_Clock(STEADY))
     assert steady.mean_abs_pct == pytest.approx(0.0, abs=1e-9)
+
+
+def test_timing_modules_together_interleaves_their_runs_so_a_slow_spell_slows_them_alike() -> None:
+    from lightning_naspipe.searching.timing import time_modules
+
+    order: list[str] = []
+
+    class Named(torch.nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            order.append(self.name)
+            return x
+
+    x = torch.zeros(1)
+    # The machine slows down 5x for the last 4 of 8 runs: one after the other, b would time 5x a; interleaved, alike.
+    spell = [1.0] * 4 + [5.0] * 4
+    runs = [(Named("a"), x), (Named("b"), x)]
+    assert time_modules(runs, repeats=4, warmup=0, clock=_Clock(spell)) == pytest.approx([3.0, 3.0])
+    assert order == ["a", "b"] * 4
+    order.clear()
+    spreads: list[float] = []
+    assert time_modules(runs, repeats=3, warmup=1, clock=_Clock(STEADY), spreads=spreads) == pytest.approx([2.0, 2.0])
+    assert order == ["a", "b"] * 4 and spreads == [0.0, 0.0]  # the warm-up round untimed, one spread per module

@@ -44,7 +44,7 @@ from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
 from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Elastic, When
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 from lightning_naspipe.space.boundary import map_tensors, tensors_in
-from lightning_naspipe.searching.timing import WARMUP, Clock, time_module, warn_if_noisy
+from lightning_naspipe.searching.timing import WARMUP, Clock, time_module, time_modules, warn_if_noisy
 
 __all__ = ["INACCURATE_PCT", "LatencyReport", "LatencyTable", "at_batch_size", "batch_size_of", "device_name",
            "inner_labels", "measure_latency"]
@@ -113,9 +113,9 @@ class LatencyTable:
         with torch.no_grad():
             for b, label in enumerate(labels):
                 count = net.labels[label] if label is not None else 1
-                entries.append(tuple(time_module(net.freeze({**reference, **({label: k} if label else {})})[b], x,
-                                                 repeats, device=device, clock=clock, spreads=spreads)
-                                     for k in range(count)))
+                entries.append(tuple(time_modules(
+                    [(net.freeze({**reference, **({label: k} if label else {})})[b], x) for k in range(count)],
+                    repeats, device=device, clock=clock, spreads=spreads)))
                 inside = inner_labels(net.blocks[b])
                 rows = []
                 for inner in inside if label is None else ():
@@ -124,16 +124,15 @@ class LatencyTable:
                         rows.append((inner, (0.0,) * net.labels[inner]))
                         continue
 
-                    def timed(arch: Mapping[str, int]) -> float:
+                    def run(arch: Mapping[str, int]) -> tuple[nn.Module, Any]:
                         changed = {name for name, k in arch.items() if k != reference[name]}
-                        given = _input_of(net, b, example_input, arch) if changed & seen else x
-                        return time_module(net.freeze(arch)[b], given, repeats, device=device, clock=clock,
-                                           spreads=spreads)
+                        return net.freeze(arch)[b], _input_of(net, b, example_input, arch) if changed & seen else x
 
-                    # Each label's own baseline, timed next to its candidates: one slow baseline run would
-                    # otherwise shift every delta of the block the same way, and their errors add up.
-                    base = timed(context)
-                    rows.append((inner, tuple(0.0 if k == context[inner] else timed({**context, inner: k}) - base
+                    # Each label's choices timed together, their runs interleaved, its reference among them: a slow
+                    # spell of the machine or one slow baseline would otherwise shift the deltas, and errors add up.
+                    ms = time_modules([run({**context, inner: k}) for k in range(net.labels[inner])], repeats,
+                                      device=device, clock=clock, spreads=spreads)
+                    rows.append((inner, tuple(0.0 if k == context[inner] else ms[k] - ms[context[inner]]
                                               for k in range(net.labels[inner]))))
                 nested.append(tuple(rows))
                 seen.update(inside)

@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
 
-__all__ = ["NOISY_SPREAD", "WARMUP", "relative_spread", "time_module", "time_repeats", "warn_if_noisy"]
+__all__ = ["NOISY_SPREAD", "WARMUP", "relative_spread", "time_module", "time_modules", "time_repeats", "warn_if_noisy"]
 
 #: Warm-up runs before the timed ones, everywhere latency is measured.
 WARMUP = 2
@@ -67,6 +67,23 @@ def time_module(module: nn.Module, example_input: Any, repeats: int = 10, warmup
     if spreads is not None:
         spreads.append(relative_spread(times))
     return statistics.median(times)
+
+
+def time_modules(runs: Sequence[tuple[nn.Module, Any]], repeats: int = 10, warmup: int = WARMUP,
+                 device: torch.device | None = None, clock: Clock = time.perf_counter,
+                 spreads: list[float] | None = None) -> list[float]:
+    """The median latency of each ``module(example_input)`` of ``runs`` in milliseconds, as :func:`time_module`, but
+    their runs interleaved (one of each in turn): on a machine whose speed drifts (another job, a throttled core), a
+    slow spell then slows all of them alike, so their differences, which a latency table's deltas are, hold."""
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(warmup + repeats):
+        for i, (module, example_input) in enumerate(runs):
+            ran = time_repeats(module, example_input, 1, 0, device, clock)
+            if round_ >= warmup:
+                times[i] += ran
+    if spreads is not None:
+        spreads += [relative_spread(t) for t in times]
+    return [statistics.median(t) for t in times]
 
 
 def relative_spread(times: Sequence[float]) -> float:
