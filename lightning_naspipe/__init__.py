@@ -13,7 +13,8 @@ from lightning_naspipe.space.elastic_transformer import ElasticEmbedding, Elasti
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.export import load_subnet, save_subnet
 from lightning_naspipe.searching.constraints import Constraints, LatencyPenalty
-from lightning_naspipe.searching.latency import LatencyReport, LatencyTable, measure_latency
+from lightning_naspipe.searching.latency import LatencyTable, measure_latency
+from lightning_naspipe.searching.latency_report import LatencyReport
 from lightning_naspipe.space.freezing import recalibrate_batchnorm
 from lightning_naspipe.integration.mixin import NASPipeMixin
 from lightning_naspipe.searching.search_loop import SearchResult, search
