@@ -112,12 +112,9 @@ class LookaheadLoader:
 
     def _batches(self, source: Iterator[Any]) -> Iterator[Any]:
         while self._source is source:
-            if self._ahead:
-                batch = self._ahead.popleft()
-            elif not self._read():
+            if not self._ahead and not self._read():
                 return
-            else:
-                batch = self._ahead.popleft()
+            batch = self._ahead.popleft()
             self._recent[self._yielded] = batch
             self._recent.pop(self._yielded - _KEEP, None)
             self._yielded += 1

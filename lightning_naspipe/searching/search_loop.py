@@ -47,7 +47,7 @@ from lightning_naspipe.searching.latency import LatencyTable, device_name
 from lightning_naspipe.searching.scoring import LatencySource, Scorer as _Scorer
 from lightning_naspipe.searching.search_log import append_log, fingerprint, read_log
 from lightning_naspipe.searching.search_plot import default_x, pareto_front, plot_search
-from lightning_naspipe.searching.searchers import Key, Record, Searcher, ranking_key
+from lightning_naspipe.searching.searchers import Key, Record, Searcher, best_of, ranking_key
 from lightning_naspipe.searching.timing import warn_if_noisy
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.supernet import Supernet, supernet_of
@@ -76,11 +76,13 @@ class SearchResult:
     def best_record(self) -> Record:
         """The best record (by :attr:`Record.ranked_score`: penalized under a penalty); equal: the earlier one. Never
         one measured over the latency budget (:attr:`Record.over_budget`)."""
-        candidates = [r for r in self.history if not r.over_budget]
-        if self.history and not candidates:
+        best = best_of(self.history, self.maximize)
+        if best is None:
+            if not self.history:
+                raise ValueError("this SearchResult has no records")
             raise NASPipeConfigError("Every record of this search result measured over its latency budget: none is "
                                      "the best.")
-        return min(candidates, key=lambda r: ranking_key(r, self.maximize))
+        return best
 
     @property
     def best(self) -> Architecture:
@@ -305,12 +307,12 @@ def _check_best(history: list[Record], limits: Constraints, latency_of: LatencyS
         if rank == 0 and new:
             warnings.warn(
                 f"lnp.search: architecture {record.architecture} (record {record.index}, score {record.score:.6g}) "
-                f"was predicted at {latency_of(record.architecture):.4f} ms, within max_latency_ms={budget}, but "
+                f"was predicted at {record.latency_ms:.4f} ms, within max_latency_ms={budget}, but "
                 f"measures {ms:.4f} ms end to end ({where}): it is dropped, not returned as the best.", stacklevel=4)
     if rank == 0:
         warn_if_noisy(latency_of.spreads, "lnp.search's end-to-end check of its best architectures")
     if not fits:
-        measured = "; ".join(f"{r.architecture}: predicted {latency_of(r.architecture):.4f} ms, measured "
+        measured = "; ".join(f"{r.architecture}: predicted {r.latency_ms:.4f} ms, measured "
                              f"{r.measured_latency_ms:.4f} ms" for r in checked.values())
         raise NASPipeConfigError(
             f"lnp.search: none of the {len(subnets)} best architectures predicted within max_latency_ms={budget} "

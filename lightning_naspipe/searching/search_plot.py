@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_naspipe.errors import NASPipeConfigError
-from lightning_naspipe.searching.searchers import Record, ranking_key
+from lightning_naspipe.searching.searchers import Record, best_of
 
 __all__ = ["AXES", "default_x", "pareto_front", "plot_search"]
 
@@ -84,7 +84,7 @@ def plot_search(history: Sequence[Record], maximize: bool, path: str | os.PathLi
     x = default_x(history) if x is None else x
     front = pareto_front(history, maximize, x, y)
     over = [r for r in history if r.over_budget]  # measured over the latency budget: never the best
-    best = min((r for r in history if not r.over_budget), key=lambda r: ranking_key(r, maximize), default=None)
+    best = best_of(history, maximize)
 
     def at(records: Sequence[Record], axis: str) -> list[float]:
         return [_value(r, axis) / (1e6 if axis == "flops" else 1) for r in records]

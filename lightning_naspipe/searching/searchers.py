@@ -131,6 +131,12 @@ def ranking_key(record: Record, maximize: bool) -> tuple[float, int]:
     return (-record.ranked_score if maximize else record.ranked_score, record.index)
 
 
+def best_of(history: Sequence[Record], maximize: bool) -> Record | None:
+    """The best record by :func:`ranking_key`, never one measured over the latency budget (:attr:`Record.over_budget`);
+    ``None`` when there is none."""
+    return min((r for r in history if not r.over_budget), key=lambda r: ranking_key(r, maximize), default=None)
+
+
 def _draw(labels: Mapping[str, int], rng: random.Random) -> Architecture:
     return {label: rng.randrange(count) for label, count in labels.items()}
 

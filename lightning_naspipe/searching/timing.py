@@ -36,9 +36,7 @@ def time_repeats(module: nn.Module, example_input: Any, repeats: int = 10, warmu
                  device: torch.device | None = None, clock: Clock = time.perf_counter) -> list[float]:
     """Each timed run of ``module(example_input)`` in milliseconds (eval mode, no gradients, ``device``
     synchronised: by default that of the module's parameters); the module's mode is restored."""
-    if repeats < 1 or warmup < 0:
-        raise NASPipeConfigError(f"Timing a module with repeats={repeats}, warmup={warmup}: give repeats >= 1 and "
-                                 "warmup >= 0.")
+    _check_counts(repeats, warmup)
     if device is None:
         device = next(iter(module.parameters()), torch.empty(0)).device
     was_training = module.training
@@ -63,10 +61,7 @@ def time_module(module: nn.Module, example_input: Any, repeats: int = 10, warmup
                 spreads: list[float] | None = None) -> float:
     """The median latency of ``module(example_input)`` in milliseconds (see :func:`time_repeats`); the runs'
     :func:`relative_spread` is appended to ``spreads`` when given."""
-    times = time_repeats(module, example_input, repeats, warmup, device, clock)
-    if spreads is not None:
-        spreads.append(relative_spread(times))
-    return statistics.median(times)
+    return time_modules([(module, example_input)], repeats, warmup, device, clock, spreads)[0]
 
 
 def time_modules(runs: Sequence[tuple[nn.Module, Any]], repeats: int = 10, warmup: int = WARMUP,
@@ -75,6 +70,7 @@ def time_modules(runs: Sequence[tuple[nn.Module, Any]], repeats: int = 10, warmu
     """The median latency of each ``module(example_input)`` of ``runs`` in milliseconds, as :func:`time_module`, but
     their runs interleaved (one of each in turn): on a machine whose speed drifts (another job, a throttled core), a
     slow spell then slows all of them alike, so their differences, which a latency table's deltas are, hold."""
+    _check_counts(repeats, warmup)
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(warmup + repeats):
         for i, (module, example_input) in enumerate(runs):
@@ -106,6 +102,12 @@ def warn_if_noisy(spreads: Sequence[float], what: str) -> float:
             "is busy and timings taken under load are unreliable. Measure again with the machine idle (other jobs "
             "stopped, the threads fixed), or with more repeats.", stacklevel=3)
     return spread
+
+
+def _check_counts(repeats: int, warmup: int) -> None:
+    if repeats < 1 or warmup < 0:
+        raise NASPipeConfigError(f"Timing a module with repeats={repeats}, warmup={warmup}: give repeats >= 1 and "
+                                 "warmup >= 0.")
 
 
 def _synchronize(device: torch.device) -> None:
