@@ -19,6 +19,14 @@ def test_hops_cross_nodes_where_ranks_do() -> None:
     assert model.hops(3, first_rank=2) == [model.intra, model.inter]
 
 
+def test_one_host_links_cost_what_the_spec_measured_per_message_and_per_mb() -> None:
+    """``LinkModel.uniform(latency_ms, ms_per_mb)``: a message of ``n`` MB costs ``latency_ms + n * ms_per_mb`` (a 1000x
+    fast link once made every CPU reduction nearly free, and num_stages="auto" chose replicas for 8 MB updates)."""
+    link = LinkModel.uniform(0.25, 1.5).intra
+    assert link.ms(2_000_000) == pytest.approx(0.25 + 2 * 1.5)
+    assert LinkModel.uniform(0.25, 0.0).intra.ms(10**9) == pytest.approx(0.25)
+
+
 def test_one_piece_is_the_whole_chain_and_one_replica_costs_nothing() -> None:
     model = LINKS["nvlink + ib400"]
     assert streamed_chain_ms(model, 8e6, 4, pieces=1) == pytest.approx(whole_chain_ms(model, 8e6, 4))

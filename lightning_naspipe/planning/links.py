@@ -56,7 +56,7 @@ class LinkModel:
     def uniform(cls, latency_ms: float, ms_per_mb: float) -> LinkModel:
         """Every hop alike: ``latency_ms`` per message and ``ms_per_mb`` per MB (a :class:`.SpaceSpec`'s
         ``message_ms + message_cpu_ms`` and ``message_ms_per_mb``, measured on one host)."""
-        link = Link(1e3 / ms_per_mb if ms_per_mb > 0 else float("inf"), latency_ms * 1e3)
+        link = Link(1.0 / ms_per_mb if ms_per_mb > 0 else float("inf"), latency_ms * 1e3)  # 1 MB/ms = 1 GB/s
         return cls(link, link, per_node=1 << 30)
 
 
