@@ -71,6 +71,22 @@ def test_rank_zero_plans_on_the_micro_batch_costs_times_chunks_and_every_rank_ta
                          "cpu") == (2, "rank 0's", {"a": 1})
 
 
+def test_on_cpu_heavy_gradients_keep_replicas_out_and_batch_norm_costs_them() -> None:
+    """What the CPU overheads make of replicas (benchmarks/replica_update.py): a space of 8 blocks x 1 MB of gradients
+    and 2.5 ms per subnet and block (the zoo's wide_mlp, where 2 replicas measured 0.77x one device and 2 stages
+    1.33x) plans as 2 stages; the same space with a BatchNorm replay of half its compute plans replicas slower."""
+    op = CandidateSpec(1.0, 1.5, True, grad_bytes=1_050_000, grad_tensors=2)
+    wide = SpaceSpec([BlockSpec(f"b{i}", [op] * 32) for i in range(8)], **CPU_OVERHEADS)
+    rates = {p.layout: p.subnets_per_s for p in plan_layouts(wide, 2, 8, 2)}
+    assert best_layout(plan_layouts(wide, 2, 8, 2)).stages == 2 and rates["1x2"] < 0.75 * rates["2x1"]
+    light = SpaceSpec([BlockSpec(f"b{i}", [dataclasses.replace(op, grad_bytes=1000)] * 4) for i in range(8)],
+                      **CPU_OVERHEADS)
+    replayed = SpaceSpec([BlockSpec(b.label, [dataclasses.replace(c, replay_ms=1.25, statistics_tensors=3)
+                                              for c in b.candidates]) for b in light.blocks], **CPU_OVERHEADS)
+    replicas = [next(p.subnets_per_s for p in plan_layouts(s, 2, 8, 2) if p.replicas == 2) for s in (light, replayed)]
+    assert replicas[1] < 0.8 * replicas[0]
+
+
 @pytest.mark.parametrize("namespace", [lightning.pytorch, pytorch_lightning])
 def test_the_choice_as_hyperparameters_lands_in_a_csv_loggers_hparams_yaml(tmp_path: Path, namespace: Any) -> None:
     """What NASPipeStrategy hands every logger of the Trainer on rank 0 (pipeline_build._chosen_layout)."""

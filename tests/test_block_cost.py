@@ -145,6 +145,26 @@ def test_profile_shares_join_into_the_profile_and_one_share_times_the_engine() -
                            ).blocks[1].candidates[0].deferred_ms is None
 
 
+def test_the_profile_times_the_batch_norm_replay_and_counts_what_replicas_exchange() -> None:
+    """A later replica replays each BatchNorm layer's statistics update in every update, and packs every gradient and
+    statistics tensor: the profile times the one per candidate (0 without BatchNorm) and counts the others."""
+    ticks = itertools.count()
+    ops: list[list[nn.Module]] = [[nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3))],
+                                  [nn.BatchNorm2d(3), nn.BatchNorm2d(3, track_running_stats=False), nn.ReLU()]]
+    times = time_paths(ops, torch.randn(2, 2, 4, 4), repeats=2, clock=lambda: float(next(ticks)), replay=True)
+    assert times.replay_ms(0, 0) == times.replay_ms(1, 0) == 1000.0  # one tick: replayed, timed once
+    assert times.replay_ms(1, 1) == times.replay_ms(1, 2) == 0.0  # nothing to replay: not timed
+    assert all(not m._forward_pre_hooks for c in ops for op in c for m in op.modules())  # the hooks are gone
+    assert time_paths(ops, torch.randn(2, 2, 4, 4), repeats=1).replay_ms(0, 0) == 0.0  # not asked for
+    head = nn.Linear(48, 2)
+    head.bias.requires_grad_(False)
+    net = lnp.Supernet(nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3)),
+                       lnp.ChoiceBlock([nn.BatchNorm2d(3), nn.Identity()]), nn.Flatten(), head)
+    spec = profile_supernet(net, torch.randn(2, 2, 4, 4), engine_seconds=0, action_overhead_ms=0.0)
+    counts = [[(c.grad_tensors, c.statistics_tensors, c.replay_ms > 0) for c in b.candidates] for b in spec.blocks]
+    assert counts == [[(4, 3, True)], [(2, 3, True), (0, 0, False)], [(0, 0, False)], [(1, 0, False)]]
+
+
 class _SlowInTraining(_Tick):
     """Costs ``ms`` timed alone but twice that once the engine trains: as blocks whose weights fall out of cache."""
 

@@ -273,9 +273,9 @@ def test_a_copy_or_pickle_of_the_module_is_not_watched() -> None:
                          ids=["bn1d", "bn2d", "elastic"])
 def test_the_replay_updates_running_statistics_as_the_training_forward_does(make: Callable[[], nn.Module],
                                                                             momentum: float | None) -> None:
-    """``_replay`` is the forward's own ``F.batch_norm`` call: the same statistics and count, bit for bit (an elastic
-    layer's on the leading channels its input has, the others left alone)."""
-    from lightning_naspipe.pipeline.exactness.replicas import _replay
+    """``replay_statistics`` is the forward's own ``F.batch_norm`` call: the same statistics and count, bit for bit
+    (an elastic layer's on the leading channels its input has, the others left alone)."""
+    from lightning_naspipe.pipeline.exactness.replicas import replay_statistics
     from lightning_naspipe.space.choice import active_architecture
 
     torch.manual_seed(0)
@@ -291,7 +291,7 @@ def test_the_replay_updates_running_statistics_as_the_training_forward_does(make
                 layer(batch)
         else:
             layer(batch)
-        _replay(replayed, batch)
+        replay_statistics(replayed, batch)
     for name, buffer in layer.named_buffers():
         assert torch.equal(buffer, dict(replayed.named_buffers())[name]), name
     assert int(layer.num_batches_tracked) == 3

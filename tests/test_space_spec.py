@@ -23,7 +23,12 @@ def test_spec_json_round_trip_and_validation() -> None:
         SpaceSpec([BlockSpec(None, [CandidateSpec(float("nan"), 1)])])
     with pytest.raises(ValueError, match="negative or NaN"):
         SpaceSpec([BlockSpec(None, [CandidateSpec(1, 1, True, False, -1.0, 0.5)])])
-    passes = SpaceSpec([BlockSpec(None, [CandidateSpec(1, 2, True, False, 0.5, 1.5)])])
+    with pytest.raises(ValueError, match="negative or NaN"):
+        SpaceSpec([BlockSpec(None, [CandidateSpec(1, 1, replay_ms=-0.5)])])
+    with pytest.raises(ValueError, match="replica_spread must be >= 0"):
+        SpaceSpec([BlockSpec(None, [CandidateSpec(1, 1)])], replica_spread=-0.1)
+    passes = SpaceSpec([BlockSpec(None, [CandidateSpec(1, 2, True, False, 0.5, 1.5, 64, 2, 3, 0.25)])],
+                       grad_tensor_ms=0.01, statistics_tensor_ms=0.02, replica_spread=0.1)
     assert SpaceSpec.from_json(passes.to_json()) == passes and passes.blocks[0].candidates[0].deferred_ms == (0.5, 1.5)
 
 
@@ -34,10 +39,12 @@ def test_wide_spec_has_equal_stateful_candidates() -> None:
 
 
 def test_compute_scaled_scales_compute_and_keeps_the_rest() -> None:
-    spec = SpaceSpec([BlockSpec(None, [CandidateSpec(1, 2, True, False, 0.5, 1.5, grad_bytes=8)]),
+    spec = SpaceSpec([BlockSpec(None, [CandidateSpec(1, 2, True, False, 0.5, 1.5, grad_bytes=8, grad_tensors=2,
+                                                     statistics_tensors=3, replay_ms=0.25)]),
                       BlockSpec("x", [CandidateSpec(3, 4), CandidateSpec(5, 6, False)])], update_ms=0.2, sync_ms=1.0)
     doubled = spec.compute_scaled(lambda ms: ms * 2)
-    assert doubled.blocks[0].candidates[0] == CandidateSpec(2, 4, True, False, 1.0, 3.0, grad_bytes=8)
+    assert doubled.blocks[0].candidates[0] == CandidateSpec(2, 4, True, False, 1.0, 3.0, grad_bytes=8, grad_tensors=2,
+                                                            statistics_tensors=3, replay_ms=0.5)
     assert doubled.blocks[1].candidates == [CandidateSpec(6, 8), CandidateSpec(10, 12, False)]
     assert (doubled.update_ms, doubled.sync_ms, doubled.blocks[1].label) == (0.2, 1.0, "x")
     assert spec.blocks[0].candidates[0].forward_ms == 1  # a copy

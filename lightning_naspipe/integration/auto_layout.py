@@ -32,13 +32,18 @@ class Overheads(TypedDict):
     message_ms: float
     sync_ms: float
     message_ms_per_mb: float
+    grad_tensor_ms: float
+    statistics_tensor_ms: float
+    replica_spread: float
 
 
 #: The run overheads ``benchmarks/overhead_harness.py`` calibrated on a 2-core CPU host (``docs/planner.md``);
-#: ``message_ms_per_mb`` from the replicas' updates of ``benchmarks/layouts.py``'s wide_mlp (8 MB of gradients
-#: per update cost 2 x 2 replicas ~16 ms there).
+#: the replicas' costs from ``benchmarks/replica_update.py`` (:mod:`.planning.replica_update`): the per-tensor
+#: costs and spread on the zoo's nb201, spos and mobilenet, ``message_ms_per_mb`` on wide_mlp (the streamed sum of
+#: its 8.4 MB of gradients took 21 ms an update on 2 replicas, which :func:`.links.streamed_chain_ms` prices so).
 CPU_OVERHEADS = Overheads(subnet_overhead_ms=0.22, step_overhead_ms=0.32, message_cpu_ms=0.12, message_ms=0.015,
-                          sync_ms=0.38, message_ms_per_mb=1.0)
+                          sync_ms=0.38, message_ms_per_mb=1.8, grad_tensor_ms=0.007, statistics_tensor_ms=0.03,
+                          replica_spread=0.13)
 
 
 class LayoutChoice(NamedTuple):

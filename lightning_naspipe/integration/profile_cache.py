@@ -35,7 +35,7 @@ __all__ = ["ENV", "FORMAT", "cache_dir", "device_name", "load", "measurement_key
 #: The environment variable naming the cache folder (``0``: no cache).
 ENV = "LIGHTNING_NASPIPE_CACHE"
 #: The entries' format; raised whenever the files or what is measured change, so that old entries are not read.
-FORMAT = 2
+FORMAT = 3
 
 T = TypeVar("T")
 

@@ -15,8 +15,9 @@ uniformly sampled subnet's pick.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from lightning_naspipe.space.supernet import BlockValue
 from lightning_naspipe.pipeline.runtime.optim import module_parameters, restrict_param_groups
 from lightning_naspipe.planning.space_spec import candidate_ms
 from lightning_naspipe.pipeline.sampling.keyed import keyed_rng
+from lightning_naspipe.pipeline.exactness.replicas import replay_statistics, tracks_statistics
 from lightning_naspipe.pipeline.exactness.weight_grads import DeferredWeights
 
 __all__ = ["BlockFailure", "PathTimes", "holds_state", "time_paths"]
@@ -57,6 +59,8 @@ class PathTimes:
         input_backward: aligned with ``forward`` (empty unless timed): the block's backward as a stage that
             defers its weight gradients runs it, the input-gradient pass (:mod:`...weight_grads`).
         weight_backward: the same, the weight-gradient pass after it.
+        replay: aligned with ``forward`` (empty unless timed): replaying the BatchNorm running-statistics updates
+            of the block's forward, as a later data-parallel replica does in every update (:mod:`...replicas`).
     """
 
     forward: list[list[list[float]]]
@@ -65,6 +69,7 @@ class PathTimes:
     variants: list[list[list[tuple[int, ...]]]] = field(default_factory=list)
     input_backward: list[list[list[float]]] = field(default_factory=list)
     weight_backward: list[list[list[float]]] = field(default_factory=list)
+    replay: list[list[list[float]]] = field(default_factory=list)
 
     def cost_ms(self, block: int, candidate: int) -> tuple[float, float]:
         """Forward and backward milliseconds of ``candidate`` of ``block``: per variant of its nested
@@ -79,6 +84,10 @@ class PathTimes:
         return (self._reduce(self.input_backward, block, candidate),
                 self._reduce(self.weight_backward, block, candidate))
 
+    def replay_ms(self, block: int, candidate: int) -> float:
+        """Milliseconds of the BatchNorm statistics replay, reduced as :meth:`cost_ms`; 0 if not timed."""
+        return self._reduce(self.replay, block, candidate) if self.replay else 0.0
+
     @classmethod
     def merged(cls, parts: Sequence[PathTimes]) -> PathTimes:
         """The times of ``parts`` (:func:`time_paths`' shares of one set of paths, e.g. one per process) as one
@@ -92,7 +101,8 @@ class PathTimes:
             return part.variants or [[[()] * len(k) for k in block] for block in part.forward]
 
         return cls(joined(lambda p: p.forward), joined(lambda p: p.backward), [v for p in parts for v in p.update],
-                   joined(variants), joined(lambda p: p.input_backward), joined(lambda p: p.weight_backward))
+                   joined(variants), joined(lambda p: p.input_backward), joined(lambda p: p.weight_backward),
+                   joined(lambda p: p.replay))
 
     def _reduce(self, series: list[list[list[float]]], block: int, candidate: int) -> float:
         seconds = series[block][candidate]
@@ -104,7 +114,7 @@ class PathTimes:
 def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: int,
                clock: Callable[[], float] = time.perf_counter,
                optimizer: torch.optim.Optimizer | None = None, deferred: bool = False,
-               share: tuple[int, int] = (0, 1)) -> PathTimes:
+               share: tuple[int, int] = (0, 1), replay: bool = False) -> PathTimes:
     """Train paths through ``ops`` (per block, its candidates) and time every block of each.
 
     One warm-up round, then ``repeats`` rounds of as many paths as the most candidates of any choice
@@ -117,8 +127,9 @@ def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: i
     timing the two passes (:attr:`PathTimes.input_backward`, :attr:`PathTimes.weight_backward`).
     ``share=(index, count)``: run only the paths ``p`` (warm-up and timed rounds alike) with ``p % count == index``,
     so ``count`` processes each time a share of the paths at once and :meth:`PathTimes.merged` joins their parts
-    (a candidate timed by no share gets no values). Modifies the ops (gradients, buffers, optimizer state): time
-    copies.
+    (a candidate timed by no share gets no values). With ``replay``, each block's BatchNorm running-statistics
+    updates are replayed after the backward and timed (:attr:`PathTimes.replay`). Modifies the ops (gradients,
+    buffers, optimizer state): time copies.
 
     Raises:
         BlockFailure: a block's forward or the backward raised.
@@ -134,7 +145,8 @@ def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: i
 
     times = PathTimes(per_candidate(), per_candidate(), variants=[[[] for _ in c] for c in ops],
                       input_backward=per_candidate() if deferred else [],
-                      weight_backward=per_candidate() if deferred else [])
+                      weight_backward=per_candidate() if deferred else [],
+                      replay=per_candidate() if replay else [])
     index, count = share
     if not 0 <= index < count:
         raise ValueError(f"share must be (index, count) with 0 <= index < count, got {share}")
@@ -145,13 +157,15 @@ def time_paths(ops: list[list[nn.Module]], example_input: BlockValue, repeats: i
         # Nested choices cycle through their candidates too, so a cell costs what a sampled cell does.
         inside = {label: run % count for label, count in nested.items()}
         path = [c[k] for c, k in zip(ops, picks)]
-        forward, backward, update = _time_path(path, example_input, optimizer, run, clock, inside)
+        forward, backward, update, replays = _time_path(path, example_input, optimizer, run, clock, inside, replay)
         passes = _time_deferred(path, example_input, run, clock, inside) if deferred else None
         if run >= paths:
             for i, k in enumerate(picks):
                 times.forward[i][k].append(forward[i])
                 times.backward[i][k].append(backward[i])
                 times.variants[i][k].append(tuple(inside[label] for label in nested_labels[i][k]))
+                if replay:
+                    times.replay[i][k].append(replays[i])
                 if passes is not None:
                     times.input_backward[i][k].append(passes[i][0])
                     times.weight_backward[i][k].append(passes[i][1])
@@ -172,22 +186,25 @@ def nested_choice_counts(ops: list[list[nn.Module]]) -> dict[str, int]:
 
 def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer | None, run: int,
                clock: Callable[[], float],
-               nested: Mapping[str, int]) -> tuple[list[float], list[float], list[float]]:
-    """Seconds of each block's forward and backward along ``path``, and of its update per stateful op."""
+               nested: Mapping[str, int],
+               replay: bool = False) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Seconds of each block's forward and backward along ``path``, of its update per stateful op, and with
+    ``replay`` of each block's BatchNorm statistics replay (else zeros)."""
     n = len(path)
     forward, done = [0.0] * n, [0.0] * (n + 1)
-    for i, op in enumerate(path):
-        for t in tensors_in(x):
-            if t.requires_grad:
-                stamp = lambda grad, i=i: done.__setitem__(i, max(done[i], clock()))  # noqa: E731
-                t.register_hook(stamp)  # type: ignore[no-untyped-call]
-        t0 = clock()
-        try:
-            with keyed_rng(torch.device("cpu"), 0, run, i, 0), active_architecture(nested):
-                x = op(x)
-        except Exception as error:
-            raise BlockFailure(i, error) from error
-        forward[i] = clock() - t0
+    with _statistics_inputs(path if replay else []) as inputs:
+        for i, op in enumerate(path):
+            for t in tensors_in(x):
+                if t.requires_grad:
+                    stamp = lambda grad, i=i: done.__setitem__(i, max(done[i], clock()))  # noqa: E731
+                    t.register_hook(stamp)  # type: ignore[no-untyped-call]
+            t0 = clock()
+            try:
+                with keyed_rng(torch.device("cpu"), 0, run, i, 0), active_architecture(nested):
+                    x = op(x)
+            except Exception as error:
+                raise BlockFailure(i, error) from error
+            forward[i] = clock() - t0
     outs = [o for o in tensors_in(x) if o.requires_grad]
     done[n] = clock()
     try:
@@ -212,7 +229,32 @@ def _time_path(path: list[nn.Module], x: Any, optimizer: torch.optim.Optimizer |
         update = [(clock() - t0) / owners]
     for p in params:
         p.grad = None  # each path's backward starts from no gradients, as the engine's
-    return forward, backward, update
+    return forward, backward, update, [_replayed(inputs.get(i, []), clock) for i in range(n)]
+
+
+@contextlib.contextmanager
+def _statistics_inputs(path: Sequence[nn.Module]) -> Iterator[dict[int, list[tuple[nn.Module, Tensor]]]]:
+    """Per block of ``path``, what its layers that update BatchNorm statistics receive in the forward, in order."""
+    inputs: dict[int, list[tuple[nn.Module, Tensor]]] = {}
+
+    def keep(i: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        return lambda layer, args: inputs.setdefault(i, []).append((layer, args[0].detach()))
+
+    hooks = [m.register_forward_pre_hook(keep(i)) for i, op in enumerate(path) for m in op.modules()
+             if tracks_statistics(m)]
+    try:
+        yield inputs
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _replayed(inputs: Sequence[tuple[nn.Module, Tensor]], clock: Callable[[], float]) -> float:
+    """Seconds to replay the statistics updates of ``inputs`` (layer, batch), in order."""
+    t0 = clock()
+    for layer, batch in inputs:
+        replay_statistics(layer, batch)
+    return clock() - t0 if inputs else 0.0
 
 
 def _time_deferred(path: list[nn.Module], x: Any, run: int, clock: Callable[[], float],

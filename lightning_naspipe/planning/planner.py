@@ -25,6 +25,7 @@ from lightning_naspipe.schedule.schedules import SCHEDULES, build_schedule, sche
 from lightning_naspipe.planning.deferral import deferring, passes
 from lightning_naspipe.planning.links import LinkModel, streamed_chain_ms
 from lightning_naspipe.planning.nodes import replica_view
+from lightning_naspipe.planning.replica_update import replica_update_ms
 from lightning_naspipe.planning.stalls import CAUSES, SEND, analyse_stage
 from lightning_naspipe.planning.space_spec import SpaceSpec
 
@@ -324,7 +325,8 @@ def _stage_costs(spec: SpaceSpec, picks: Sequence[Resource], chunks: int, s: int
     # The replicas' streamed reduction of the subnet's gradients on this stage (0 without replicas).
     replicas = round(spec.reduce_hops / 2) + 1
     links = spec.replica_links or LinkModel.uniform(spec.message_ms + spec.message_cpu_ms, spec.message_ms_per_mb)
-    reduce = streamed_chain_ms(links, sum(o.grad_bytes for o in ops), replicas, s * replicas)
+    reduce = (streamed_chain_ms(links, sum(o.grad_bytes for o in ops), replicas, s * replicas)
+              + replica_update_ms(spec, ops, replicas, scale))
     return {FORWARD: _ticks(scale * sum(o.forward_ms for o in ops) / chunks + over + messages), BACKWARD: b,
             SEND: b - round(scale * after / chunks * TICKS_PER_MS),
             UPDATE: _ticks(scale * spec.update_ms * sum(o.stateful for o in ops) + over + reduce)}

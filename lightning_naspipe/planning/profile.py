@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_naspipe.space.boundary import map_tensors, tensors_in
+from lightning_naspipe.pipeline.exactness.replicas import tracks_statistics
 from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.planning.block_cost import PathTimes, holds_state, time_paths
 from lightning_naspipe.planning.space_spec import BlockSpec, CandidateSpec, SpaceSpec
@@ -110,7 +111,7 @@ def profile_share(supernet: Supernet, sample_input: BlockValue, repeats: int = 1
         if device is not None:
             net, sample_input = net.to(device), map_tensors(lambda t: t.to(device), sample_input)
         times = time_paths([candidates_of(b) for b in net.blocks], sample_input, repeats, clock,
-                           optimizer(list(net.parameters())), deferred=deferred, share=share)
+                           optimizer(list(net.parameters())), deferred=deferred, share=share, replay=True)
         run = (engine_run(net, sample_input, optimizer, clock, engine_seconds, first=share[0] * 10**4, min_subnets=4,
                           window=4, warmup=2) if engine_seconds > 0 else None)
         return ProfileShare(times, _engine_overhead(supernet, clock) if engine_overhead else None, run)
@@ -174,8 +175,11 @@ class _NullModule:
 def _candidate(times: Any, block: int, k: int, op: torch.nn.Module) -> CandidateSpec:
     forward_ms, backward_ms = times.cost_ms(block, k)
     input_ms, weight_ms = times.deferred_ms(block, k) or (None, None)
+    trained = [p for p in op.parameters() if p.requires_grad]
+    tracked = [b for m in op.modules() if tracks_statistics(m) for b in m.buffers(recurse=False)]
     return CandidateSpec(forward_ms, backward_ms, holds_state(op), any(True for _ in op.buffers()), input_ms, weight_ms,
-                         sum(p.numel() * p.element_size() for p in op.parameters() if p.requires_grad))
+                         sum(p.numel() * p.element_size() for p in trained), len(trained), len(tracked),
+                         times.replay_ms(block, k))
 
 
 def _engine_overhead(net: Supernet, clock: Callable[[], float], window: int = 4, subnets: int = 32) -> float:

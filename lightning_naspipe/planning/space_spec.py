@@ -17,7 +17,8 @@ from lightning_naspipe.planning.links import Link, LinkModel
 __all__ = ["BlockSpec", "CandidateSpec", "SpaceSpec", "block_cost_ms", "candidate_ms", "wide_spec"]
 
 _OVERHEADS = ("update_ms", "action_overhead_ms", "message_ms", "message_cpu_ms", "parallel_slowdown",
-              "step_overhead_ms", "subnet_overhead_ms", "sync_ms", "message_ms_per_mb", "reduce_hops")
+              "step_overhead_ms", "subnet_overhead_ms", "sync_ms", "message_ms_per_mb", "reduce_hops",
+              "grad_tensor_ms", "statistics_tensor_ms", "replica_spread")
 
 
 def candidate_ms(seconds: Sequence[float]) -> float:
@@ -40,7 +41,10 @@ class CandidateSpec:
     ``buffers``: buffers, which a training forward may change (its forward then never runs ahead);
     ``input_backward_ms``/``weight_backward_ms``: its backward's two passes on a stage that defers weight
     gradients (``None``: not measured, and a stage holding it is modelled as never deferring); ``grad_bytes``: its
-    trainable parameters' gradient bytes, which data-parallel replicas exchange in every update."""
+    trainable parameters' gradient bytes, which data-parallel replicas exchange in every update; ``grad_tensors`` and
+    ``statistics_tensors``: how many tensors those are, and how many BatchNorm running-statistics buffers it has
+    (the replicas' update packs, sends and unpacks each); ``replay_ms``: replaying its BatchNorm running-statistics
+    updates for one subnet batch, which every later replica does in each update (0: none)."""
 
     forward_ms: float
     backward_ms: float
@@ -49,6 +53,9 @@ class CandidateSpec:
     input_backward_ms: float | None = None
     weight_backward_ms: float | None = None
     grad_bytes: int = 0
+    grad_tensors: int = 0
+    statistics_tensors: int = 0
+    replay_ms: float = 0.0
 
     @property
     def deferred_ms(self) -> tuple[float, float] | None:
@@ -98,6 +105,10 @@ class SpaceSpec:
             one replica (0: no replicas).
         replica_links: the links between replicas (:class:`.links.LinkModel`); ``None``: every hop costs
             ``message_ms + message_cpu_ms`` per message and ``message_ms_per_mb`` per MB (one host).
+        grad_tensor_ms: a replica update's own time per gradient tensor and hop (packing, unpacking, copying).
+        statistics_tensor_ms: the same per BatchNorm running-statistics buffer (saved, sent, loaded).
+        replica_spread: a replica's per-subnet compute time's relative standard deviation (noise, other
+            processes): every update waits for the slowest of its replicas, the expected maximum of ``D`` draws.
     """
 
     blocks: list[BlockSpec]
@@ -112,6 +123,9 @@ class SpaceSpec:
     message_ms_per_mb: float = 0.0
     reduce_hops: float = 0.0
     replica_links: LinkModel | None = None
+    grad_tensor_ms: float = 0.0
+    statistics_tensor_ms: float = 0.0
+    replica_spread: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -122,8 +136,8 @@ class SpaceSpec:
         for i, block in enumerate(self.blocks):
             if not block.candidates or (block.label is None and len(block.candidates) != 1):
                 raise ValueError(f"block {i} needs candidates, and exactly one when it is fixed (label None)")
-            if any(not (c.forward_ms >= 0 and c.backward_ms >= 0) or not all(t >= 0 for t in c.deferred_ms or ())
-                   for c in block.candidates):
+            if any(not (c.forward_ms >= 0 and c.backward_ms >= 0 and c.replay_ms >= 0)
+                   or not all(t >= 0 for t in c.deferred_ms or ()) for c in block.candidates):
                 raise ValueError(f"block {i} has a negative or NaN cost")
         self.labels()  # equal candidate counts per label
 
@@ -137,14 +151,16 @@ class SpaceSpec:
         return labels
 
     def compute_scaled(self, scale: Callable[[float], float]) -> SpaceSpec:
-        """A copy with ``scale`` applied to every candidate's compute milliseconds (forward, backward, and the
-        deferred backward's two passes where measured); the update and the overheads as they are."""
+        """A copy with ``scale`` applied to every candidate's compute milliseconds (forward, backward, the
+        deferred backward's two passes where measured, the statistics replay); the update and the overheads as they
+        are."""
         def scaled(ms: float | None) -> float | None:
             return None if ms is None else scale(ms)
 
         return replace(self, blocks=[BlockSpec(b.label, [
             replace(c, forward_ms=scale(c.forward_ms), backward_ms=scale(c.backward_ms),
-                    input_backward_ms=scaled(c.input_backward_ms), weight_backward_ms=scaled(c.weight_backward_ms))
+                    input_backward_ms=scaled(c.input_backward_ms), weight_backward_ms=scaled(c.weight_backward_ms),
+                    replay_ms=scale(c.replay_ms))
             for c in b.candidates]) for b in self.blocks])
 
     def to_json(self) -> str:

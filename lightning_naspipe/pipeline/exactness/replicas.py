@@ -49,7 +49,7 @@ from lightning_naspipe.pipeline.exactness.streamed import streamed_sum
 from lightning_naspipe.space.elastic import ElasticBatchNorm1d, ElasticBatchNorm2d
 from lightning_naspipe.transport.failures import FailureBoard
 
-__all__ = ["ReplicaGroup", "ReplicaUpdates", "ordered_sum"]
+__all__ = ["ReplicaGroup", "ReplicaUpdates", "ordered_sum", "replay_statistics", "tracks_statistics"]
 
 # Elastic ones update the running statistics of the leading channels their input has (see space/elastic.py).
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, ElasticBatchNorm1d, ElasticBatchNorm2d)
@@ -243,7 +243,7 @@ class ReplicaUpdates:
             _load(self._statistics(before), buffers)
             for chunk in chunks:
                 for layer, batch in self._inputs.pop((index, chunk), []):
-                    _replay(layer, batch)
+                    replay_statistics(layer, batch)
             touched.update(before)
         layers = sorted(touched)
         # copied out as it is sent: the values of now
@@ -273,7 +273,7 @@ class ReplicaUpdates:
     def batch_norm_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook of the watched BatchNorm layers."""
         current = self._current
-        if current is None or not module.training or not getattr(module, "track_running_stats", False):
+        if current is None or not tracks_statistics(module):
             return
         touched, position = self._touched.setdefault(current[0], set()), self._position[id(module)]
         if self.group.replica > 0 and position not in touched:
@@ -341,7 +341,12 @@ def _load(statistics: Sequence[Tensor], values: Sequence[Tensor]) -> None:
             buffer.copy_(value)
 
 
-def _replay(layer: Any, batch: Tensor) -> None:
+def tracks_statistics(module: nn.Module) -> bool:
+    """Whether a training forward of ``module`` updates BatchNorm running statistics, which replicas replay."""
+    return isinstance(module, _BATCH_NORMS) and module.training and bool(getattr(module, "track_running_stats", False))
+
+
+def replay_statistics(layer: Any, batch: Tensor) -> None:
     """The running-statistics update a training forward of ``layer`` on ``batch`` makes: the forward's own call
     (``F.batch_norm`` with the factor ``_BatchNorm.forward`` computes, the layer's weight and bias), so that every
     device picks the kernel the forward picked (cuDNN updates the statistics itself); its output is dropped. An
