@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 from typing import Any
 
@@ -54,13 +55,18 @@ def worker(cfg: dict[str, Any]) -> None:
         predict(chosen, cfg)
         return
     processes, num_stages = LAYOUTS[cfg["config"]]
-    strategy = lnp.NASPipeStrategy(chunks=cfg["chunks"], num_stages=num_stages)
+    strategy, logged = lnp.NASPipeStrategy(chunks=cfg["chunks"], num_stages=num_stages), []
+    strategy._info = logged.append  # the run's rank-zero log lines: auto's predictions
     fit_timed(chosen.model(), chosen.data(cfg["subnets"]), cfg, strategy, processes)
     if strategy.is_global_zero:
         with open(cfg["out"]) as f:
             result = json.load(f)
         layout = strategy.layout
         result["layout"] = f"S={layout.stages} D={layout.replicas}"
+        found = [m.group(1) for line in logged if (m := re.search(r"chose .*per stages x replicas: (.*)$", line))]
+        if found:  # its rate for the layout it chose, as it logged it
+            rates = {f"{st} x {d}": float(r) for st, d, r in re.findall(r"(\d+) x (\d+): ([\d.]+)", found[0])}
+            result["auto_predicted"] = rates.get(f"{layout.stages} x {layout.replicas}")
         with open(cfg["out"], "w") as f:
             json.dump(result, f)
 
@@ -110,7 +116,8 @@ def main() -> None:
     rounds = rotated_rounds(CONFIGS, args.spaces, args.repeats, lambda c, s: run(c, s, args.quick, args.chunks))
     print(f"\n{machine()}; chunks={args.chunks}; {args.repeats} round(s); medians of subnets/s and of ratios to "
           "1 device; (planner's prediction)")
-    print(f"{'space':<14}{'1 device/s':>18}{'2 stages':>18}{'2 replicas':>18}{'auto':>8}  auto chose")
+    print(f"{'space':<14}{'1 device/s':>18}{'2 stages':>18}{'2 replicas':>18}{'auto':>8}  auto chose, and its "
+          "predicted subnets/s against that layout's measured rate")
     summary = {}
     for name, results in rounds.items():
         def median(values: list[float]) -> float:
@@ -128,8 +135,14 @@ def main() -> None:
             return f"({guess.get(config, float('nan')) / base_guess:.2f}x)"
 
         summary[name]["predicted"] = guess
+        # num_stages="auto"'s own prediction of the layout it chose against that layout run directly (issue 40).
+        direct = {"S=2 D=1": STAGES, "S=1 D=2": REPLICAS}.get(chose[0]) if len(chose) == 1 else None
+        own = median([r[AUTO]["auto_predicted"] for r in results if r[AUTO].get("auto_predicted")])
+        measured = median([rate(r[direct]) for r in results]) if direct else float("nan")
+        summary[name]["auto_predicted"], summary[name]["auto_layout_measured"] = own, measured
         print(f"{name:<14}{summary[name]['base']:>9.2f} ({base_guess:>5.1f}){ratios[STAGES]:>9.2f}x {vs(STAGES):>8}"
-              f"{ratios[REPLICAS]:>9.2f}x {vs(REPLICAS):>8}{ratios[AUTO]:>7.2f}x  {', '.join(chose)}")
+              f"{ratios[REPLICAS]:>9.2f}x {vs(REPLICAS):>8}{ratios[AUTO]:>7.2f}x  {', '.join(chose)}: "
+              f"{own:.1f} against {measured:.1f} ({own / measured - 1:+.0%})")
         for error in summary[name]["errors"]:
             print(f"  failed: {error}")
     if args.json:
