@@ -6,7 +6,11 @@ this machine.
 
 For each space: build ``lnp.LatencyTable.measure`` on one batch of the space's own data (its batch size), then
 ``table.error(...)`` on ``--samples`` uniform architectures (each frozen subnet timed end to end), and print the
-report's mean and worst absolute error and its bias. Run from the repository root on a quiet machine::
+report's mean and worst absolute error and its bias, as a user sees them. Then, centred in time: the same
+architectures timed end to end once more and a second table built after that, the two tables' mean prediction
+against the two passes' mean (a machine whose speed drifts between the table and the passes, as a shared VM's does
+over minutes, biases the first comparison; a steady drift cancels in this one), and the noise floor: how far the
+two passes, and the two tables, are apart. Run from the repository root on a quiet machine::
 
     PYTHONPATH=. python benchmarks/latency_error.py                  # 1 thread, 20 architectures per space
     PYTHONPATH=. python benchmarks/latency_error.py --spaces ofa autoformer --samples 5 --repeats 5
@@ -19,6 +23,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning_naspipe as lnp  # noqa: E402
+from lightning_naspipe.searching.latency_report import LatencyReport  # noqa: E402
 from lightning_naspipe.space.supernet import supernet_of  # noqa: E402
 from latency_spaces import SPACES as UNSEEN  # noqa: E402
 from latency_spaces import latency_space  # noqa: E402
@@ -46,6 +52,34 @@ def supernet_and_input(name: str) -> tuple[lnp.Supernet, Any]:
     return supernet_of(model).eval(), model.pipeline_input(next(iter(described.data(1))))
 
 
+def measured_error(supernet: lnp.Supernet, example: Any, samples: int, repeats: int) -> dict[str, Any]:
+    """A table's error as a user sees it (the table, then ``table.error``), and centred in time: a second end-to-end
+    pass and a second table after it, the mean of the two tables' predictions against the mean of the two passes.
+    On a machine whose speed drifts over minutes (a shared VM), the first compares timings taken minutes apart;
+    the second cancels a steady drift. The noise floor: how far the two passes (and the two tables) are apart."""
+    start = time.perf_counter()
+    before = lnp.LatencyTable.measure(supernet, example, repeats)
+    built = time.perf_counter() - start
+    first = before.error(supernet, example, samples=samples, seed=0, repeats=repeats)
+    archs = [a for a, _, _ in first.rows]
+    second = before.error(supernet, example, architectures=archs, repeats=repeats)
+    after = lnp.LatencyTable.measure(supernet, example, repeats)
+
+    def report(predicted: Sequence[float], measured: Sequence[float]) -> LatencyReport:
+        return LatencyReport(tuple(zip(archs, predicted, measured)), first.device, first.batch_size)
+
+    passes = [[ms for _, _, ms in r.rows] for r in (first, second)]
+    tables = [[t.predict(a, supernet) for a in archs] for t in (before, after)]
+    centred = report([sum(p) / 2 for p in zip(*tables)], [sum(m) / 2 for m in zip(*passes)])
+    noise, apart = report(passes[1], passes[0]), report(tables[1], tables[0])
+    return {"batch_size": before.batch_size, "architectures": len(archs), "fastest_ms": before.fastest_ms(),
+            "slowest_ms": before.slowest_ms(), "table_seconds": built, "mean_abs_pct": first.mean_abs_pct,
+            "worst_pct": first.worst_pct, "bias_pct": first.bias_pct, "centred_mean_abs_pct": centred.mean_abs_pct,
+            "centred_worst_pct": centred.worst_pct, "centred_bias_pct": centred.bias_pct,
+            "noise_mean_abs_pct": noise.mean_abs_pct, "noise_worst_pct": noise.worst_pct,
+            "tables_mean_abs_pct": apart.mean_abs_pct, "tables_worst_pct": apart.worst_pct}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spaces", nargs="+", default=list(ALL_SPACES), choices=ALL_SPACES,
@@ -61,17 +95,14 @@ def main() -> None:
     summary = {}
     for name in args.spaces:
         supernet, example = supernet_and_input(name)
-        start = time.perf_counter()
-        table = lnp.LatencyTable.measure(supernet, example, args.repeats)
-        built = time.perf_counter() - start
-        report = table.error(supernet, example, samples=args.samples, seed=0, repeats=args.repeats)
-        summary[name] = {"batch_size": table.batch_size, "architectures": len(report.rows),
-                         "mean_abs_pct": report.mean_abs_pct, "worst_pct": report.worst_pct,
-                         "bias_pct": report.bias_pct, "fastest_ms": table.fastest_ms(),
-                         "slowest_ms": table.slowest_ms(), "table_seconds": built}
-        print(f"{name:>12}: batch {table.batch_size}, predictions {table.fastest_ms():.2f}..{table.slowest_ms():.2f} "
-              f"ms, table built in {built:.1f} s; {len(report.rows)} architectures: mean |error| "
-              f"{report.mean_abs_pct:.1f}%, worst {report.worst_pct:.1f}%, bias {report.bias_pct:+.1f}%", flush=True)
+        summary[name] = measured_error(supernet, example, args.samples, args.repeats)
+        r = summary[name]
+        print(f"{name:>12}: batch {r['batch_size']}, predictions {r['fastest_ms']:.2f}..{r['slowest_ms']:.2f} ms, "
+              f"table built in {r['table_seconds']:.1f} s; {r['architectures']} architectures: mean |error| "
+              f"{r['mean_abs_pct']:.1f}%, worst {r['worst_pct']:.1f}%, bias {r['bias_pct']:+.1f}%; centred in time: "
+              f"{r['centred_mean_abs_pct']:.1f}% / {r['centred_worst_pct']:.1f}% (bias {r['centred_bias_pct']:+.1f}%); "
+              f"noise: two end-to-end passes {r['noise_mean_abs_pct']:.1f}% / {r['noise_worst_pct']:.1f}% apart, "
+              f"two tables {r['tables_mean_abs_pct']:.1f}% / {r['tables_worst_pct']:.1f}%", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1))
 

@@ -89,3 +89,15 @@ def test_timing_modules_together_interleaves_their_runs_so_a_slow_spell_slows_th
     spreads: list[float] = []
     assert time_modules(runs, repeats=3, warmup=1, clock=_Clock(STEADY), spreads=spreads) == pytest.approx([2.0, 2.0])
     assert order == ["a", "b"] * 4 and spreads == [0.0, 0.0]  # the warm-up round untimed, one spread per module
+
+
+def test_the_error_report_times_its_subnets_interleaved_so_a_slow_spell_hits_them_alike() -> None:
+    """The end-to-end side of ``table.error``: two subnets of the same cost, the machine 5x slower for the second half
+    of the runs. One after the other, the second would measure 5x the first and the table look 80% off on it."""
+    supernet = _supernet()
+    x = torch.randn(8, 4)
+    table = lnp.LatencyTable.measure(supernet, x, repeats=3, clock=_Clock(STEADY))
+    archs = [{label: 0 for label in supernet.labels}] * 2
+    report = table.error(supernet, x, architectures=archs, repeats=4, clock=_Clock([1.0] * 8 + [5.0] * 8))
+    # Warm-up (2 rounds) and 2 timed rounds at 1 ms, then 2 at 5 ms: each subnet [1, 1, 5, 5], median 3.
+    assert [ms for _, _, ms in report.rows] == pytest.approx([3.0, 3.0])

@@ -215,7 +215,8 @@ class LatencyTable:
                 one per canonical form).
             samples: how many to draw when ``architectures`` is not given.
             seed: the draw's seed.
-            repeats: timed runs per architecture (:func:`measure_latency`).
+            repeats: timed runs per architecture (as :func:`measure_latency`, but every architecture's runs
+                interleaved).
             clock: ``clock() -> seconds`` the runs are timed with (a fake one in tests).
         """
         self.check(supernet)
@@ -228,9 +229,11 @@ class LatencyTable:
         if not architectures:
             raise NASPipeConfigError("LatencyTable.error needs at least one architecture (samples >= 1).")
         spreads: list[float] = []
-        rows = tuple((dict(a), self.predict(a, supernet),
-                      measure_latency(supernet, a, example_input, repeats, clock=clock, spreads=spreads))
-                     for a in architectures)
+        # Every subnet's runs interleaved (one of each in turn): a slow spell of the machine then slows them all a
+        # little, where timing them one after another shifted the subnets it hit alone.
+        measured = time_modules([(supernet.freeze(a), example_input) for a in architectures], repeats, clock=clock,
+                                spreads=spreads)
+        rows = tuple((dict(a), self.predict(a, supernet), ms) for a, ms in zip(architectures, measured))
         warn_if_noisy(spreads, "LatencyTable.error")
         report = LatencyReport(rows, self.device, self.batch_size)
         if report.mean_abs_pct > INACCURATE_PCT:
