@@ -213,3 +213,18 @@ def load_example(name: str) -> Any:
 def nb201_trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     """64 subnets of the NB201 space, no validation: the exactness runs of test_pipeline.py."""
     return trainer_kwargs(max_steps=64, max_epochs=-1, limit_val_batches=0, **overrides)
+
+
+def fake_latency_timing(monkeypatch: Any, cost: Any) -> None:
+    """Every latency timing (a table's in place, in every pass, and an end-to-end one) takes ``cost(module)`` ms,
+    after running the module once on its input (which must fit it): deterministic tables."""
+    from lightning_naspipe.searching import latency, table_passes
+
+    def fake(module: nn.Module, example_input: Any, *args: Any, **kwargs: Any) -> float:
+        module(example_input)
+        return float(cost(module))
+
+    monkeypatch.setattr(latency, "time_module", fake)
+    monkeypatch.setattr(latency, "time_modules", lambda runs, *a, **k: [fake(m, x) for m, x in runs])
+    monkeypatch.setattr(table_passes, "interleaved_times",
+                        lambda runs, repeats, *a, **k: [[fake(m, x)] * repeats for m, x in runs])

@@ -18,7 +18,7 @@ import lightning_naspipe as lnp
 from inprocess_grid import assert_grid_equals, train_grid
 from lightning_naspipe.pipeline.runtime.engine import Engine
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
-from lightning_naspipe.searching import latency as latency_module
+from helpers import fake_latency_timing
 from lightning_naspipe.space.choice import active_architecture
 from lightning_naspipe.space.elastic_blocks import SelfAttention
 from lightning_naspipe.space.elastic_transformer import PatchEmbed
@@ -133,13 +133,7 @@ def test_the_layers_read_the_leading_slices_of_their_weights() -> None:
 
 
 def test_a_latency_table_keys_and_predicts_the_embedding_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    def by_parameters(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = 2,
-                      device: torch.device | None = None, **timing: Any) -> float:
-        module(example_input)  # the input must fit the module
-        return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
-
-    monkeypatch.setattr(latency_module, "time_module", by_parameters)
-    monkeypatch.setattr(latency_module, "time_modules", lambda runs, *a, **k: [by_parameters(m, x) for m, x in runs])
+    fake_latency_timing(monkeypatch, lambda module: 1.0 + sum(p.numel() for p in module.parameters()) / 1000)
     supernet = autoformer()
     table = lnp.LatencyTable.measure(supernet, images(1)[0][0], repeats=1)
     assert [label for label, _ in table.nested[0]] == ["embed"]

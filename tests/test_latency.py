@@ -16,6 +16,7 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
+from helpers import fake_latency_timing
 from lightning_naspipe.searching import latency as latency_module
 
 
@@ -267,14 +268,7 @@ def _every(supernet: lnp.Supernet) -> list[dict[str, int]]:
 
 def _by_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     """Time a module as 1 ms plus 1 ms per 1000 parameters: deterministic, and larger choices cost more."""
-
-    def fake(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = 2,
-             device: torch.device | None = None, **timing: Any) -> float:
-        module(example_input)  # the input must fit the module
-        return 1.0 + sum(p.numel() for p in module.parameters()) / 1000
-
-    monkeypatch.setattr(latency_module, "time_module", fake)
-    monkeypatch.setattr(latency_module, "time_modules", lambda runs, *a, **k: [fake(m, x) for m, x in runs])
+    fake_latency_timing(monkeypatch, lambda module: 1.0 + sum(p.numel() for p in module.parameters()) / 1000)
 
 
 def _cost(module: nn.Module) -> float:

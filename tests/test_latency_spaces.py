@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
-from lightning_naspipe.searching import latency as latency_module
+from helpers import fake_latency_timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from latency_spaces import ElasticSqueezeExcite, SqueezeExcite, autoformer, ofa  # noqa: E402
@@ -44,14 +43,7 @@ def shape_cost(module: nn.Module) -> float:
 @pytest.fixture
 def fake_timing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every timing (the table's in place, the end-to-end one) is the timed module's shape_cost."""
-
-    def fake(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = 2,
-             device: torch.device | None = None, **timing: Any) -> float:
-        module(example_input)  # the input must fit the module
-        return shape_cost(module)
-
-    monkeypatch.setattr(latency_module, "time_module", fake)
-    monkeypatch.setattr(latency_module, "time_modules", lambda runs, *a, **k: [fake(m, x) for m, x in runs])
+    fake_latency_timing(monkeypatch, shape_cost)
 
 
 def keyed(table: lnp.LatencyTable) -> set[str]:

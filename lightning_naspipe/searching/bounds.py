@@ -26,7 +26,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.searching.constraints import Constraints
-from lightning_naspipe.searching.latency import batch_size_of, inner_labels
+from lightning_naspipe.searching.latency import batch_size_of
+from lightning_naspipe.searching.table_passes import inner_labels
 from lightning_naspipe.space.choice import Architecture
 from lightning_naspipe.space.freezing import freeze_block
 from lightning_naspipe.space.supernet import Supernet, describe

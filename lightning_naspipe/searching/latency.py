@@ -26,6 +26,7 @@ import collections
 import copy
 import json
 import os
+import statistics
 import time
 import warnings
 import weakref
@@ -40,14 +41,15 @@ from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
 from lightning_naspipe.pipeline.sampling.keyed import uniform_architecture
-from lightning_naspipe.space.choice import Architecture, ChoiceBlock, Elastic, When
+from lightning_naspipe.space.choice import Architecture, ChoiceBlock
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 from lightning_naspipe.space.boundary import map_tensors, tensors_in
 from lightning_naspipe.searching.latency_report import LatencyReport
-from lightning_naspipe.searching.timing import WARMUP, Clock, time_module, time_modules, warn_if_noisy
+from lightning_naspipe.searching.table_passes import PASSES, inner_labels, reads, timed_pass
+from lightning_naspipe.searching.timing import WARMUP, Clock, relative_spread, time_module, time_modules, warn_if_noisy
 
 __all__ = ["INACCURATE_PCT", "LatencyTable", "at_batch_size", "batch_size_of", "device_name",
-           "inner_labels", "measure_latency"]
+           "measure_latency"]
 
 #: A mean absolute prediction error (percent) above which :meth:`LatencyTable.error` warns.
 INACCURATE_PCT = 20.0
@@ -90,7 +92,8 @@ class LatencyTable:
         Args:
             supernet: the search space (not modified: a copy is timed).
             example_input: what the first block receives for one batch, on that device.
-            repeats: timed runs per candidate after two warm-up runs; the median is kept.
+            repeats: timed runs per candidate after two warm-up runs; the median is kept. The blocks are timed in
+                :data:`~.table_passes.PASSES` passes (at most ``repeats``), each a share of the runs.
             clock: ``clock() -> seconds`` the runs are timed with (a fake one in tests).
         """
         if repeats < 1:
@@ -105,38 +108,30 @@ class LatencyTable:
         readers = collections.Counter(label for block in net.blocks for label in inner_labels(block))
         reference = {label: (count - 1) // 2 if readers[label] > 1 else 0 for label, count in net.labels.items()}
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in net.blocks)
-        entries: list[tuple[float, ...]] = []
-        nested: list[tuple[tuple[str, tuple[float, ...]], ...]] = []
-        spreads: list[float] = []  # per measurement, how far its runs disagree: the machine's load
-        seen: set[str] = set()  # the labels earlier blocks read: a choice of theirs changes what block b receives
-        x: Any = example_input
+        # The blocks are timed in passes, each a share of the repeats: a slow spell of the machine (seconds, on a
+        # shared VM) then lands in one pass of a block, which the median over every pass's runs outvotes, instead
+        # of in all of one block's runs (two tables of one space once predicted 27% apart).
+        runs: dict[tuple[int, str | None, int], list[float]] = collections.defaultdict(list)
+        contexts: dict[tuple[int, str], dict[str, int] | None] = {}
+        passes = min(PASSES, repeats)
         with torch.no_grad():
-            for b, label in enumerate(labels):
-                count = net.labels[label] if label is not None else 1
-                entries.append(tuple(time_modules(
-                    [(net.freeze({**reference, **({label: k} if label else {})})[b], x) for k in range(count)],
-                    repeats, device=device, clock=clock, spreads=spreads)))
-                inside = inner_labels(net.blocks[b])
-                rows = []
-                for inner in inside if label is None else ():
-                    context = _reaching_context(net, b, inner, reference, inside)
-                    if context is None:  # no architecture runs it in this block: it costs nothing here
-                        rows.append((inner, (0.0,) * net.labels[inner]))
-                        continue
+            for p in range(passes):
+                timed_pass(net, example_input, reference, labels, contexts, runs, repeats // passes
+                            + (p < repeats % passes), WARMUP if p == 0 else 0, device, clock)
+        ms = {key: statistics.median(times) for key, times in runs.items()}
+        spreads = [relative_spread(times) for times in runs.values()]
+        entries = [tuple(ms[(b, None, k)] for k in range(net.labels[label] if label is not None else 1))
+                   for b, label in enumerate(labels)]
+        def deltas(b: int, inner: str) -> tuple[float, ...]:
+            """Each choice of ``inner`` against its reference in block ``b`` (0.0 where no subnet runs it there)."""
+            context, choices = contexts[(b, inner)], range(net.labels[inner])
+            if context is None:
+                return (0.0,) * len(choices)
+            return tuple(0.0 if k == context[inner] else ms[(b, inner, k)] - ms[(b, inner, context[inner])]
+                         for k in choices)
 
-                    def run(arch: Mapping[str, int]) -> tuple[nn.Module, Any]:
-                        changed = {name for name, k in arch.items() if k != reference[name]}
-                        return net.freeze(arch)[b], _input_of(net, b, example_input, arch) if changed & seen else x
-
-                    # Each label's choices timed together, their runs interleaved, its reference among them: a slow
-                    # spell of the machine or one slow baseline would otherwise shift the deltas, and errors add up.
-                    ms = time_modules([run({**context, inner: k}) for k in range(net.labels[inner])], repeats,
-                                      device=device, clock=clock, spreads=spreads)
-                    rows.append((inner, tuple(0.0 if k == context[inner] else ms[k] - ms[context[inner]]
-                                              for k in range(net.labels[inner]))))
-                nested.append(tuple(rows))
-                seen.update(inside)
-                x = net.run_block(b, x, reference)
+        nested = [tuple((inner, deltas(b, inner)) for inner in (inner_labels(net.blocks[b]) if label is None else ()))
+                  for b, label in enumerate(labels)]
         warn_if_noisy(spreads, "LatencyTable.measure")
         return cls(tuple(entries), labels, device_name(net), batch_size_of(example_input),
                    tuple(nested) if any(nested) else ())
@@ -165,9 +160,9 @@ class LatencyTable:
             for b, block in enumerate(self.nested):
                 # With the supernet, a block adds a label's delta only where it reads the label (a layer its
                 # ElasticDepth drops reads the shared width no more); without it, wherever the table has it.
-                reads = _reads(supernet, b, architecture) if supernet is not None and block else None
+                read = reads(supernet, b, architecture) if supernet is not None and block else None
                 total += sum(deltas[architecture[label]] for label, deltas in block
-                             if reads is None or label in reads)
+                             if read is None or label in read)
         return total
 
     def _check_architecture(self, architecture: Mapping[str, int]) -> None:
@@ -301,56 +296,6 @@ def measure_latency(supernet: Supernet, architecture: Mapping[str, int], example
         spreads: where to append the runs' relative spread (:func:`~.timing.relative_spread`), when given.
     """
     return time_module(supernet.freeze(architecture), example_input, repeats, warmup, clock=clock, spreads=spreads)
-
-
-def inner_labels(block: nn.Module) -> tuple[str, ...]:
-    """The labels inside ``block``, in first-seen order: those of its choice blocks (its own too), of its elastic
-    modules' dimensions and of its ``When`` modules (a DARTS edge's input choice)."""
-    found: dict[str, None] = {}
-    for module in block.modules():
-        if isinstance(module, (ChoiceBlock, When)) and module.label is not None:
-            found.setdefault(module.label)
-        elif isinstance(module, Elastic):
-            found.update((dim.label, None) for dim in module.dims.values() if dim.label is not None)
-    return tuple(found)
-
-
-def _reads(net: Supernet, index: int, architecture: Mapping[str, int]) -> set[str]:
-    """The labels block ``index`` reads in subnet ``architecture``."""
-    return {label for scope in net.block_scopes(index).active(architecture) for label, _, _ in scope.choices}
-
-
-def _reaching_context(net: Supernet, index: int, label: str, reference: Mapping[str, int],
-                      inside: Sequence[str], limit: int = 4096) -> dict[str, int] | None:
-    """The subnet nearest ``reference`` (fewest and lowest changes of block ``index``'s other labels) in which the
-    block reads ``label``: ``reference`` itself unless ``label`` sits in a deeper layer of an ``ElasticDepth``, a
-    candidate not taken, or a cell edge not chosen; ``None`` when no subnet within ``limit`` tries reads it."""
-    others = [name for name in inside if name != label]
-    frontier: list[dict[str, int]] = [dict(reference)]
-    visited = {tuple(sorted(reference.items()))}
-    while frontier and len(visited) <= limit:
-        following: list[dict[str, int]] = []
-        for arch in frontier:
-            if label in _reads(net, index, arch):
-                return arch
-            for name in others:
-                for k in range(net.labels[name]):
-                    if arch[name] == reference[name] != k:
-                        step = {**arch, name: k}
-                        key = tuple(sorted(step.items()))
-                        if key not in visited:
-                            visited.add(key)
-                            following.append(step)
-        frontier = following
-    return None
-
-
-def _input_of(net: Supernet, index: int, example_input: Any, architecture: Mapping[str, int]) -> Any:
-    """What block ``index`` receives in subnet ``architecture``."""
-    x = example_input
-    for b in range(index):
-        x = net.run_block(b, x, architecture)
-    return x
 
 
 def device_name(module: nn.Module) -> str:

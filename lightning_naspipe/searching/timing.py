@@ -19,7 +19,8 @@ from torch import nn
 
 from lightning_naspipe.errors import NASPipeConfigError
 
-__all__ = ["NOISY_SPREAD", "WARMUP", "relative_spread", "time_module", "time_modules", "time_repeats", "warn_if_noisy"]
+__all__ = ["NOISY_SPREAD", "WARMUP", "interleaved_times", "relative_spread", "time_module", "time_modules",
+           "time_repeats", "warn_if_noisy"]
 
 #: Warm-up runs before the timed ones, everywhere latency is measured.
 WARMUP = 2
@@ -70,6 +71,15 @@ def time_modules(runs: Sequence[tuple[nn.Module, Any]], repeats: int = 10, warmu
     """The median latency of each ``module(example_input)`` of ``runs`` in milliseconds, as :func:`time_module`, but
     their runs interleaved (one of each in turn): on a machine whose speed drifts (another job, a throttled core), a
     slow spell then slows all of them alike, so their differences, which a latency table's deltas are, hold."""
+    times = interleaved_times(runs, repeats, warmup, device, clock)
+    if spreads is not None:
+        spreads += [relative_spread(t) for t in times]
+    return [statistics.median(t) for t in times]
+
+
+def interleaved_times(runs: Sequence[tuple[nn.Module, Any]], repeats: int = 10, warmup: int = WARMUP,
+                      device: torch.device | None = None, clock: Clock = time.perf_counter) -> list[list[float]]:
+    """Each timed run of each of ``runs``, in milliseconds, their runs interleaved (:func:`time_modules`)."""
     _check_counts(repeats, warmup)
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(warmup + repeats):
@@ -77,9 +87,7 @@ def time_modules(runs: Sequence[tuple[nn.Module, Any]], repeats: int = 10, warmu
             ran = time_repeats(module, example_input, 1, 0, device, clock)
             if round_ >= warmup:
                 times[i] += ran
-    if spreads is not None:
-        spreads += [relative_spread(t) for t in times]
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def relative_spread(times: Sequence[float]) -> float:
