@@ -45,7 +45,7 @@ from lightning_naspipe.space.choice import Architecture, ChoiceBlock
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 from lightning_naspipe.space.boundary import map_tensors, tensors_in
 from lightning_naspipe.searching.latency_report import LatencyReport
-from lightning_naspipe.searching.table_passes import PASSES, inner_labels, reads, timed_pass
+from lightning_naspipe.searching.table_passes import PASSES, Runs, inner_labels, reads, timed_pass
 from lightning_naspipe.searching.timing import WARMUP, Clock, relative_spread, time_module, time_modules, warn_if_noisy
 
 __all__ = ["INACCURATE_PCT", "LatencyTable", "at_batch_size", "batch_size_of", "device_name",
@@ -108,20 +108,19 @@ class LatencyTable:
         readers = collections.Counter(label for block in net.blocks for label in inner_labels(block))
         reference = {label: (count - 1) // 2 if readers[label] > 1 else 0 for label, count in net.labels.items()}
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in net.blocks)
-        # The blocks are timed in passes, each a share of the repeats: a slow spell of the machine (seconds, on a
-        # shared VM) then lands in one pass of a block, which the median over every pass's runs outvotes, instead
-        # of in all of one block's runs (two tables of one space once predicted 27% apart).
-        runs: dict[tuple[int, str | None, int], list[float]] = collections.defaultdict(list)
+        runs: Runs = collections.defaultdict(list)  # in passes over the blocks: see table_passes.py
         contexts: dict[tuple[int, str], dict[str, int] | None] = {}
         passes = min(PASSES, repeats)
         with torch.no_grad():
             for p in range(passes):
-                timed_pass(net, example_input, reference, labels, contexts, runs, repeats // passes
-                            + (p < repeats % passes), WARMUP if p == 0 else 0, device, clock)
+                share = repeats // passes + (p < repeats % passes)
+                timed_pass(net, example_input, reference, labels, contexts, runs, share, WARMUP if p == 0 else 0,
+                           device, clock)
         ms = {key: statistics.median(times) for key, times in runs.items()}
-        spreads = [relative_spread(times) for times in runs.values()]
+        spreads = [relative_spread(times) for times in runs.values()]  # per measurement: the machine's load
         entries = [tuple(ms[(b, None, k)] for k in range(net.labels[label] if label is not None else 1))
                    for b, label in enumerate(labels)]
+
         def deltas(b: int, inner: str) -> tuple[float, ...]:
             """Each choice of ``inner`` against its reference in block ``b`` (0.0 where no subnet runs it there)."""
             context, choices = contexts[(b, inner)], range(net.labels[inner])

@@ -20,7 +20,7 @@ from lightning_naspipe.space.choice import ChoiceBlock, Elastic, When
 from lightning_naspipe.space.freezing import freeze_block
 from lightning_naspipe.space.supernet import Supernet
 
-__all__ = ["PASSES", "inner_labels", "input_of", "reaching_context", "reads", "timed_pass"]
+__all__ = ["PASSES", "Runs", "inner_labels", "input_of", "reaching_context", "reads", "timed_pass"]
 
 #: Passes over the blocks that share a table's repeats.
 PASSES = 3
@@ -76,6 +76,7 @@ def input_of(net: Supernet, index: int, example_input: Any, architecture: Mappin
     return x
 
 
+#: Per measurement, ``(block, None, candidate)`` or ``(block, inner label, choice)``, its timed runs in ms.
 Runs = dict[tuple[int, str | None, int], list[float]]
 
 
