@@ -45,7 +45,7 @@ from lightning_naspipe.space.choice import Architecture, ChoiceBlock
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 from lightning_naspipe.space.boundary import map_tensors, tensors_in
 from lightning_naspipe.searching.latency_report import LatencyReport
-from lightning_naspipe.searching.table_passes import PASSES, Runs, inner_labels, reads, timed_pass
+from lightning_naspipe.searching.table_passes import PASSES, Runs, inner_labels, label_contexts, reads, timed_pass
 from lightning_naspipe.searching.timing import WARMUP, Clock, relative_spread, time_module, time_modules, warn_if_noisy
 
 __all__ = ["INACCURATE_PCT", "LatencyTable", "at_batch_size", "batch_size_of", "device_name",
@@ -109,7 +109,7 @@ class LatencyTable:
         reference = {label: (count - 1) // 2 if readers[label] > 1 else 0 for label, count in net.labels.items()}
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in net.blocks)
         runs: Runs = collections.defaultdict(list)  # in passes over the blocks: see table_passes.py
-        contexts: dict[tuple[int, str], dict[str, int] | None] = {}
+        contexts = label_contexts(net, reference, labels)
         passes = min(PASSES, repeats)
         with torch.no_grad():
             for p in range(passes):
@@ -129,8 +129,8 @@ class LatencyTable:
             return tuple(0.0 if k == context[inner] else ms[(b, inner, k)] - ms[(b, inner, context[inner])]
                          for k in choices)
 
-        nested = [tuple((inner, deltas(b, inner)) for inner in (inner_labels(net.blocks[b]) if label is None else ()))
-                  for b, label in enumerate(labels)]
+        nested = [tuple((inner, deltas(b, inner)) for (block, inner) in contexts if block == b)
+                  for b in range(len(labels))]
         warn_if_noisy(spreads, "LatencyTable.measure")
         return cls(tuple(entries), labels, device_name(net), batch_size_of(example_input),
                    tuple(nested) if any(nested) else ())

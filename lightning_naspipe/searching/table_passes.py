@@ -20,7 +20,7 @@ from lightning_naspipe.space.choice import ChoiceBlock, Elastic, When
 from lightning_naspipe.space.freezing import freeze_block
 from lightning_naspipe.space.supernet import Supernet
 
-__all__ = ["PASSES", "Runs", "inner_labels", "input_of", "reaching_context", "reads", "timed_pass"]
+__all__ = ["PASSES", "Runs", "inner_labels", "input_of", "label_contexts", "reaching_context", "reads", "timed_pass"]
 
 #: Passes over the blocks that share a table's repeats.
 PASSES = 3
@@ -76,6 +76,17 @@ def input_of(net: Supernet, index: int, example_input: Any, architecture: Mappin
     return x
 
 
+def label_contexts(net: Supernet, reference: Mapping[str, int],
+                   labels: Sequence[str | None]) -> dict[tuple[int, str], dict[str, int] | None]:
+    """Per ``(block, label inside it)`` of the blocks without a label of their own: the subnet it is timed in
+    (:func:`reaching_context`; ``None``: no subnet runs it there)."""
+    found: dict[tuple[int, str], dict[str, int] | None] = {}
+    for b, label in enumerate(labels):
+        inside = inner_labels(net.blocks[b]) if label is None else ()
+        found.update({(b, inner): reaching_context(net, b, inner, reference, inside) for inner in inside})
+    return found
+
+
 #: Per measurement, ``(block, None, candidate)`` or ``(block, inner label, choice)``, its timed runs in ms.
 Runs = dict[tuple[int, str | None, int], list[float]]
 
@@ -85,7 +96,7 @@ def timed_pass(net: Supernet, example_input: Any, reference: Mapping[str, int], 
                device: torch.device, clock: Clock) -> None:
     """One pass of :meth:`.LatencyTable.measure` over the blocks: ``repeats`` runs of each candidate (key ``(block,
     None, k)``) and of each choice of each label inside a block (``(block, label, k)``) appended to ``runs``, a
-    block's measurements interleaved; ``contexts`` keeps where each inner label is timed (found on the first pass)."""
+    block's measurements interleaved; ``contexts``: where each inner label is timed (:func:`label_contexts`)."""
     seen: set[str] = set()  # the labels earlier blocks read: a choice of theirs changes what block b receives
     x: Any = example_input
     for b, label in enumerate(labels):
@@ -95,8 +106,6 @@ def timed_pass(net: Supernet, example_input: Any, reference: Mapping[str, int], 
             for k in range(count)]
         inside = inner_labels(net.blocks[b])
         for inner in inside if label is None else ():
-            if (b, inner) not in contexts:
-                contexts[(b, inner)] = reaching_context(net, b, inner, reference, inside)
             context = contexts[(b, inner)]
             if context is None:  # no architecture runs it in this block: it costs nothing here
                 continue

@@ -273,7 +273,7 @@ class ReplicaUpdates:
     def batch_norm_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook of the watched BatchNorm layers."""
         current = self._current
-        if current is None or not tracks_statistics(module):
+        if current is None or not module.training or not tracks_statistics(module):
             return
         touched, position = self._touched.setdefault(current[0], set()), self._position[id(module)]
         if self.group.replica > 0 and position not in touched:
@@ -342,8 +342,9 @@ def _load(statistics: Sequence[Tensor], values: Sequence[Tensor]) -> None:
 
 
 def tracks_statistics(module: nn.Module) -> bool:
-    """Whether a training forward of ``module`` updates BatchNorm running statistics, which replicas replay."""
-    return isinstance(module, _BATCH_NORMS) and module.training and bool(getattr(module, "track_running_stats", False))
+    """Whether ``module`` is a BatchNorm layer keeping running statistics, which its training forwards update and a
+    later replica replays (whatever its mode now: the caller checks that where it matters)."""
+    return isinstance(module, _BATCH_NORMS) and bool(getattr(module, "track_running_stats", False))
 
 
 def replay_statistics(layer: Any, batch: Tensor) -> None:
