@@ -32,7 +32,7 @@ _UNIT = """actions affinity arguments auto_layout block_cost block_timing constr
     export failures fingerprint forked freezing grad_norm host_rng init latency layers layout lookahead optim partition
     placement planner private_apis processes profile_cache replicas residency sampling schedule schedule_rules
     schedule_ties search_plot searchers space_spec stage_table stalls supernet swapping verify_report weight_grads
-    wire kinds benchmarks_index streamed links bounds timing latency_spaces replica_update table_passes"""
+    wire kinds benchmarks_index streamed links bounds timing latency_spaces replica_update table_passes malloc"""
 _INPROCESS = """batch_hooks boundary callback cells checkpoint_io clipping compat data elastic engine finders loop_state
     loss_log loss_state microbatch mixin namespaces offload progress replicas_engine search startup step_sampling
     stepping strategy telemetry ties elastic_transformer eval_shards"""

@@ -4,9 +4,9 @@ The layers, bottom up (each may import the ones below it and itself, never one a
 
 * base: ``errors``, ``namespaces`` (the top-level modules that everything may use);
 * ``compat``: the one home of private Lightning, torch and Python names and of runtime patches (imports only the
-  base). Every layer above the base may import ``compat.torch`` and ``compat.python``; only ``integration`` and
-  the entry may import ``compat.lightning``, the one module outside ``integration`` that imports a Lightning
-  namespace;
+  base). Every layer above the base may import ``compat.torch``, ``compat.python`` and ``compat.malloc``; only
+  ``integration`` and the entry may import ``compat.lightning``, the one module outside ``integration`` that imports
+  a Lightning namespace;
 * ``space``: what users write (supernet, choices, cells, freezing);
 * ``schedule``: the CSP schedule, pure Python (actions, schedules, rules, lookahead);
 * ``transport``: between stage processes (wire, links, collectives), in a schedule's send order;

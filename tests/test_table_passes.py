@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import lightning_naspipe as lnp
 from lightning_naspipe.searching import latency as latency_module
-from lightning_naspipe.searching.table_passes import PASSES, inner_labels
+from lightning_naspipe.searching.table_passes import PASSES, inner_labels, reference_choices
 from test_latency import _nested_supernet, _supernet
 from test_timing import _Clock
 
@@ -41,3 +42,18 @@ def test_passes_keep_every_entry_and_delta_of_one_pass() -> None:
     assert all(d == 0.0 for _, deltas in steady.nested[1] for d in deltas)
     once = lnp.LatencyTable.measure(supernet, x, repeats=1, clock=_Clock([2.0]))
     assert [pytest.approx(row) for row in once.entries] == list(steady.entries)
+
+
+def test_deltas_are_taken_around_the_middle_of_shared_widths_only() -> None:
+    """An elastic width several blocks read is centred; an op choice several cells share, a width one block reads
+    and a block's own choice are taken around their first choice."""
+    def cell() -> nn.Sequential:  # a shared op choice inside each block, as NB201's edges
+        return nn.Sequential(lnp.ChoiceBlock([nn.Identity(), nn.ReLU(), nn.Tanh()], label="op"), nn.Identity())
+
+    supernet = lnp.Supernet(
+        lnp.ElasticLinear(4, [8, 16, 32, 64], label="width"),
+        nn.Sequential(lnp.ElasticLinear([8, 16, 32, 64], 16, in_label="width"), nn.ReLU()),
+        nn.Sequential(lnp.ElasticLinear(16, [4, 8, 16], label="alone"), lnp.ElasticLinear([4, 8, 16], 16,
+                                                                                          in_label="alone")),
+        cell(), cell(), lnp.ChoiceBlock([nn.Identity(), nn.ReLU(), nn.GELU()], label="own"))
+    assert reference_choices(supernet) == {"width": 1, "alone": 0, "op": 0, "own": 0}

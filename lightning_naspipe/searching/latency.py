@@ -45,7 +45,8 @@ from lightning_naspipe.space.choice import Architecture, ChoiceBlock
 from lightning_naspipe.space.supernet import BlockValue, Supernet
 from lightning_naspipe.space.boundary import map_tensors, tensors_in
 from lightning_naspipe.searching.latency_report import LatencyReport
-from lightning_naspipe.searching.table_passes import PASSES, Runs, inner_labels, label_contexts, reads, timed_pass
+from lightning_naspipe.searching.table_passes import (PASSES, Runs, inner_labels, label_contexts, reads,
+                                                      reference_choices, timed_pass)
 from lightning_naspipe.searching.timing import WARMUP, Clock, relative_spread, time_module, time_modules, warn_if_noisy
 
 __all__ = ["INACCURATE_PCT", "LatencyTable", "at_batch_size", "batch_size_of", "device_name",
@@ -66,7 +67,7 @@ class LatencyTable:
         nested: per block, per label inside it (a block without a label of its own: its nested choices'
             and elastic layers' labels, in first-seen order), ``(label, deltas)``: the latency added by each
             of the label's choices to the block's entry, in ms (``0.0`` at the label's reference choice: its middle one
-            for a label several blocks read, a shared width, else its first; timed where the block runs
+            for an elastic width several blocks read, else its first; timed where the block runs
             the label, e.g. at the depth that keeps its layer); ``()`` for a block with
             its own label or none inside. ``()`` altogether when no block has deltas (as in tables saved before
             they existed).
@@ -101,12 +102,7 @@ class LatencyTable:
         net = copy.deepcopy(supernet).eval()
         net.local_blocks = None
         device = next(iter(net.parameters()), torch.empty(0)).device
-        # A label several blocks read (a shared width) is timed around its middle choice, the others around their
-        # first: a cost that multiplies a layer's own choice by the shared width (an MLP's ratio times the
-        # embedding width) is then off by the width's distance from the middle, both ways, not from the smallest,
-        # which under-predicted every wide subnet (AutoFormer-style spaces by ~25%).
-        readers = collections.Counter(label for block in net.blocks for label in inner_labels(block))
-        reference = {label: (count - 1) // 2 if readers[label] > 1 else 0 for label, count in net.labels.items()}
+        reference = reference_choices(net)
         labels = tuple(block.label if isinstance(block, ChoiceBlock) else None for block in net.blocks)
         runs: Runs = collections.defaultdict(list)  # in passes over the blocks: see table_passes.py
         contexts = label_contexts(net, reference, labels)

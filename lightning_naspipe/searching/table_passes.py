@@ -9,6 +9,7 @@ instead of in all of one block's runs: two tables of one space once predicted 27
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,8 @@ from lightning_naspipe.space.choice import ChoiceBlock, Elastic, When
 from lightning_naspipe.space.freezing import freeze_block
 from lightning_naspipe.space.supernet import Supernet
 
-__all__ = ["PASSES", "Runs", "inner_labels", "input_of", "label_contexts", "reaching_context", "reads", "timed_pass"]
+__all__ = ["PASSES", "Runs", "inner_labels", "input_of", "label_contexts", "reaching_context", "reads",
+           "reference_choices", "timed_pass"]
 
 #: Passes over the blocks that share a table's repeats.
 PASSES = 3
@@ -36,6 +38,21 @@ def inner_labels(block: nn.Module) -> tuple[str, ...]:
         elif isinstance(module, Elastic):
             found.update((dim.label, None) for dim in module.dims.values() if dim.label is not None)
     return tuple(found)
+
+
+def reference_choices(net: Supernet) -> dict[str, int]:
+    """The choice each label's deltas are taken around: the middle one for an elastic width several blocks read (a
+    shared width, as AutoFormer's embedding), the first for every other label.
+
+    A cost that multiplies a layer's own choice by the shared width (an MLP's ratio times the embedding width) is
+    then off by the width's distance from the middle, both ways, not from the smallest, which under-predicted every
+    wide subnet (AutoFormer-style spaces by ~25%). An op choice several cells share (NB201's edges) is not a width:
+    centred, every cell's baseline ran its middle op and the deltas of a subnet dropping ops everywhere missed the
+    node sums that vanish with them (its smallest subnets predicted 30-50% slow; 6-28% from its first choice).
+    """
+    widths = {dim.label for module in net.modules() if isinstance(module, Elastic) for dim in module.dims.values()}
+    readers = collections.Counter(label for block in net.blocks for label in inner_labels(block) if label in widths)
+    return {label: (count - 1) // 2 if readers[label] > 1 else 0 for label, count in net.labels.items()}
 
 
 def reads(net: Supernet, index: int, architecture: Mapping[str, int]) -> set[str]:

@@ -3,7 +3,9 @@
 Every latency measurement times ``repeats`` runs after a warm-up and keeps their median. The runs' spread says how
 busy the machine was: on an idle one they agree closely; under load (other jobs on the cores, a GPU shared) some
 runs wait and the spread grows. :func:`warn_if_noisy` warns, naming the spread, when the median over measurements of
-their relative spread (interquartile range over median) exceeds :data:`NOISY_SPREAD`.
+their relative spread (interquartile range over median) exceeds :data:`NOISY_SPREAD`. On the CPU, glibc's malloc
+is first set to keep freed memory (:func:`~lightning_naspipe.compat.malloc.keep_freed_memory`): with its defaults a
+run's megabyte activations are page-faulted in anew each time, at a cost that depends on what ran before.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_naspipe.compat.malloc import keep_freed_memory
 from lightning_naspipe.errors import NASPipeConfigError
 
 __all__ = ["NOISY_SPREAD", "WARMUP", "interleaved_times", "relative_spread", "time_module", "time_modules",
@@ -36,10 +39,13 @@ Clock = Callable[[], float]
 def time_repeats(module: nn.Module, example_input: Any, repeats: int = 10, warmup: int = WARMUP,
                  device: torch.device | None = None, clock: Clock = time.perf_counter) -> list[float]:
     """Each timed run of ``module(example_input)`` in milliseconds (eval mode, no gradients, ``device``
-    synchronised: by default that of the module's parameters); the module's mode is restored."""
+    synchronised: by default that of the module's parameters); the module's mode is restored. On the CPU, malloc
+    keeps freed memory from then on (:func:`~lightning_naspipe.compat.malloc.keep_freed_memory`)."""
     _check_counts(repeats, warmup)
     if device is None:
         device = next(iter(module.parameters()), torch.empty(0)).device
+    if device.type == "cpu":
+        keep_freed_memory()
     was_training = module.training
     module.eval()
     times = []
