@@ -37,10 +37,20 @@ print(json.dumps({"faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt 
 
 
 def _probe(**env: str) -> dict[str, float]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != malloc.ENV}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in (malloc.ENV, "GLIBC_TUNABLES", "LD_PRELOAD")}
     done = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, **env}, capture_output=True, text=True,
                           timeout=120, check=True)
     return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def mallopt_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """A fresh process's state, ``mallopt`` recorded instead of called (it succeeds)."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(malloc, "_kept", None)
+    monkeypatch.setattr(malloc, "_set", lambda option, value: calls.append((option, value)) or True)
+    return calls
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
@@ -55,25 +65,21 @@ def test_timing_on_the_cpu_keeps_freed_memory_so_runs_do_not_page_fault() -> Non
 @pytest.mark.parametrize("env", [{malloc.ENV: "default"}, {malloc.ENV: " Default "},
                                  {"MALLOC_TRIM_THRESHOLD_": "0"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
                                  {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}])
-def test_users_own_allocator_settings_are_left_alone(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(malloc, "_kept", None)
-    monkeypatch.setattr(malloc, "_set", lambda option, value: calls.append((option, value)) or True)
+def test_users_own_allocator_settings_are_left_alone(env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                                     mallopt_calls: list[tuple[int, int]]) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert malloc.keep_freed_memory() is False
-    assert calls == []
+    assert mallopt_calls == []
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
-def test_set_once_per_process_both_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(malloc, "_kept", None)
-    monkeypatch.setattr(malloc, "_set", lambda option, value: calls.append((option, value)) or True)
+def test_set_once_per_process_both_thresholds(monkeypatch: pytest.MonkeyPatch,
+                                               mallopt_calls: list[tuple[int, int]]) -> None:
     for name in (malloc.ENV, "LD_PRELOAD", "GLIBC_TUNABLES", *[k for k in os.environ if k.startswith("MALLOC_")]):
         monkeypatch.delenv(name, raising=False)
     assert malloc.keep_freed_memory() and malloc.keep_freed_memory()
-    assert calls == [(-3, malloc.MMAP_THRESHOLD), (-1, malloc.TRIM_THRESHOLD)]
+    assert mallopt_calls == [(-3, malloc.MMAP_THRESHOLD), (-1, malloc.TRIM_THRESHOLD)]
 
 
 def test_a_failed_mallopt_says_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
